@@ -1,0 +1,1 @@
+"""ouro_fast: a serving engine for the looped language model Ouro."""
