@@ -1,0 +1,140 @@
+"""The native Ouro model: one call runs ONE loop (all layers) for a batch of tokens.
+
+Parameter names are exactly the checkpoint's keys. Attention is delegated to a
+backend (see attention.py) that knows which KV plane each token reads and
+writes, so rows at different loop depths can share one call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import OuroConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [N, head_dim] in float32 for split-half rotary embeddings."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, H, D] by position; computed in float32, returned in x's dtype."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, cfg: OuroConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+
+    def forward(self, x, cos, sin, attn, layer_idx: int) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn(layer_idx, q, k, v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, cfg: OuroConfig):
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroDecoderLayer(nn.Module):
+    def __init__(self, cfg: OuroConfig):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = OuroAttention(cfg)
+        self.mlp = OuroMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.input_layernorm_2 = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, h, cos, sin, attn, layer_idx: int) -> torch.Tensor:
+        # Sandwich norms: each sub-block's output is normed again before the residual add.
+        a = self.self_attn(self.input_layernorm(h), cos, sin, attn, layer_idx)
+        h = h + self.input_layernorm_2(a)
+        m = self.mlp(self.post_attention_layernorm(h))
+        return h + self.post_attention_layernorm_2(m)
+
+
+class OuroModel(nn.Module):
+    def __init__(self, cfg: OuroConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(OuroDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
+
+
+class OuroForCausalLM(nn.Module):
+    """Ouro with the loop exposed: embed -> run_loop (x T) -> gate_logits / logits."""
+
+    def __init__(self, cfg: OuroConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = OuroModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def run_loop(self, h: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """One loop over all layers for N tokens h [N, hidden]; returns the normed hidden state.
+
+        `attn(layer_idx, q, k, v)` writes each token's K/V into its own loop's plane and
+        returns the attention output [N, heads, head_dim].
+        """
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, attn, i)
+        # The final norm runs after every loop and its output feeds the next loop.
+        return self.model.norm(h)
+
+    def gate_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Exit-gate logit per token [N], in float32."""
+        return self.model.early_exit_gate(h).squeeze(-1).float()
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(h, weight)
