@@ -1,0 +1,116 @@
+"""OuroTokenizer: a thin wrapper over a directory's tokenizer.json (HF layout).
+
+Works with the small tokenizer shipped in ouro_fast/model/assets/ and with a real
+Ouro-1.4B download alike. Only the `tokenizers` library is needed (no transformers).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+
+
+class OuroTokenizer:
+    """Byte-level BPE tokenizer with Ouro's special tokens and ChatML template.
+
+    Ids are those of tokenizer.json; `vocab_size` is the tokenizer's own count,
+    which may be smaller than the model's vocab_size (the sampler masks the rest).
+    """
+
+    def __init__(self, raw: Tokenizer, config: dict | None = None):
+        self.raw = raw
+        config = config or {}
+        self.vocab_size: int = raw.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id: int = self._resolve(config.get("eos_token"), "eos_token")
+        self.bos_token_id: int = self._resolve(config.get("bos_token"), "bos_token")
+        self.im_start_id: int | None = raw.token_to_id(IM_START)
+        self.im_end_id: int | None = raw.token_to_id(IM_END)
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, tok in raw.get_added_tokens_decoder().items() if tok.special
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> OuroTokenizer:
+        """Load tokenizer.json (and tokenizer_config.json when present) from a directory."""
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        raw = Tokenizer.from_file(str(tok_file))
+        cfg_file = path / "tokenizer_config.json"
+        config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+        return cls(raw, config)
+
+    @classmethod
+    def default(cls) -> OuroTokenizer:
+        """The small tokenizer shipped with ouro_fast (1024 tokens)."""
+        return cls.from_dir(ASSETS_DIR)
+
+    def _resolve(self, entry: str | dict | None, what: str) -> int:
+        # tokenizer_config.json writes a token as a string or as {"content": ...}.
+        name = entry.get("content") if isinstance(entry, dict) else entry
+        token_id = self.raw.token_to_id(name) if isinstance(name, str) else None
+        if token_id is None:
+            token_id = self.raw.token_to_id(ENDOFTEXT)
+        if token_id is None:
+            raise ValueError(f"cannot find the {what} ({name!r} or {ENDOFTEXT!r}) in the tokenizer")
+        return token_id
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text; no BOS is added; special-token text becomes the special token."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        return self.raw.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ids; an incomplete UTF-8 sequence decodes to U+FFFD."""
+        return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.raw.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """ChatML text: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message.
+
+        With add_generation_prompt, `<|im_start|>assistant\\n` follows. Content may be
+        a str or a list of OpenAI text parts ({"type": "text", "text": str}).
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        parts = []
+        for i, message in enumerate(messages):
+            role, content = _check_message(i, message)
+            parts.append(f"{IM_START}{role}\n{content}{IM_END}\n")
+        if add_generation_prompt:
+            parts.append(f"{IM_START}assistant\n")
+        return "".join(parts)
+
+
+def _check_message(i: int, message: object) -> tuple[str, str]:
+    """(role, content text) of messages[i], or a ValueError saying what is wrong."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+    content = message.get("content")
+    if isinstance(content, str):
+        return role, content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            is_text = isinstance(part, dict) and part.get("type") == "text"
+            if not (is_text and isinstance(part.get("text"), str)):
+                raise ValueError(f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}")
+            texts.append(part["text"])
+        return role, "".join(texts)
+    raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
