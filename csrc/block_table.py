@@ -1,0 +1,260 @@
+"""Per-request, per-loop block tables over one shared pool of KV blocks.
+
+A physical block holds `block_size` consecutive positions of ONE loop plane for
+ALL layers; the runner's cache is indexed by physical slot
+`block_id * block_size + offset`. Request slot `s` has one table per loop depth:
+`tables[s, t, i]` is the block of positions `[i*bs, (i+1)*bs)` at loop `t`.
+Every loop needs KV at every position (computed or propagated), so blocks for
+all loops of a position range are allocated together: a slot holding `n`
+blocks per loop owns `n * num_loops` physical blocks.
+
+Unused table entries are always -1 (`UNUSED_BLOCK`): a stray read of an
+unowned entry fails loudly instead of aliasing block 0.
+
+Compiled as ouro_fast.core.block_table; importable uncompiled as
+ouro_fast.core_py.block_table (the twin, same behaviour).
+"""
+
+import cython
+import numpy as np
+
+UNUSED_BLOCK = -1
+
+
+@cython.cclass
+class BlockTable:
+    """Owns the free-block pool and every slot's per-loop block tables.
+
+    Only the engine-owner thread may call it. The hot methods allocate nothing
+    and touch only the blocks and positions they are asked about.
+    """
+
+    _num_blocks: cython.Py_ssize_t
+    _block_size: cython.Py_ssize_t
+    _num_loops: cython.Py_ssize_t
+    _max_seqs: cython.Py_ssize_t
+    _max_blocks_per_seq: cython.Py_ssize_t
+    _num_free: cython.Py_ssize_t
+    _tables_arr: object
+    _counts_arr: object
+    _tables: cython.int[:, :, :]
+    _counts: cython.int[:]
+    _free: cython.int[:]
+
+    def __init__(
+        self,
+        num_blocks: cython.Py_ssize_t,
+        block_size: cython.Py_ssize_t,
+        num_loops: cython.Py_ssize_t,
+        max_seqs: cython.Py_ssize_t,
+        max_blocks_per_seq: cython.Py_ssize_t,
+    ):
+        if num_blocks < 0 or block_size < 1 or num_loops < 1 or max_seqs < 1 or max_blocks_per_seq < 1:
+            raise ValueError(
+                f"bad BlockTable geometry: num_blocks={num_blocks}, block_size={block_size}, "
+                f"num_loops={num_loops}, max_seqs={max_seqs}, max_blocks_per_seq={max_blocks_per_seq}"
+            )
+        if num_blocks > 2**31 - 1:
+            raise ValueError(f"num_blocks={num_blocks} does not fit the int32 tables")
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self._num_loops = num_loops
+        self._max_seqs = max_seqs
+        self._max_blocks_per_seq = max_blocks_per_seq
+        self._tables_arr = np.full((max_seqs, num_loops, max_blocks_per_seq), UNUSED_BLOCK, dtype=np.int32)
+        self._counts_arr = np.zeros(max_seqs, dtype=np.int32)
+        self._tables = self._tables_arr
+        self._counts = self._counts_arr
+        # Stack with block 0 on top, so a fresh pool hands out 0, 1, 2, ...
+        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        self._num_free = num_blocks
+
+    @property
+    def tables(self):
+        """int32 [max_seqs, num_loops, max_blocks_per_seq], the live array (mutated in place)."""
+        return self._tables_arr
+
+    @property
+    def num_blocks_of(self):
+        """int32 [max_seqs], the live array: blocks per loop held by each slot."""
+        return self._counts_arr
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_free
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_loops(self) -> int:
+        return self._num_loops
+
+    @property
+    def max_seqs(self) -> int:
+        return self._max_seqs
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self._max_blocks_per_seq
+
+    @cython.cfunc
+    @cython.inline
+    def _check_slot(self, slot: cython.Py_ssize_t) -> cython.int:
+        if slot < 0 or slot >= self._max_seqs:
+            raise ValueError(f"slot {slot} out of range [0, {self._max_seqs})")
+        return 0
+
+    @cython.cfunc
+    @cython.inline
+    def _blocks_for(self, num_tokens: cython.Py_ssize_t) -> cython.Py_ssize_t:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return (num_tokens + self._block_size - 1) // self._block_size
+
+    def blocks_needed(self, slot: cython.Py_ssize_t, num_tokens: cython.Py_ssize_t) -> int:
+        """Extra physical blocks (all loops together) that allocate(slot, num_tokens) would take."""
+        need: cython.Py_ssize_t
+        have: cython.Py_ssize_t
+        self._check_slot(slot)
+        need = self._blocks_for(num_tokens)
+        have = cython.cast(cython.Py_ssize_t, self._counts[slot])
+        if need <= have:
+            return 0
+        return (need - have) * self._num_loops
+
+    @cython.initializedcheck(False)
+    def allocate(self, slot: cython.Py_ssize_t, num_tokens: cython.Py_ssize_t) -> bool:
+        """Grow `slot` to cover positions [0, num_tokens) at every loop.
+
+        Returns False, changing nothing, when the pool lacks blocks. Raises
+        ValueError when num_tokens needs more than max_blocks_per_seq blocks.
+        Never shrinks: a smaller num_tokens than already covered is a no-op.
+        """
+        need: cython.Py_ssize_t
+        have: cython.Py_ssize_t
+        i: cython.Py_ssize_t
+        t: cython.Py_ssize_t
+        self._check_slot(slot)
+        need = self._blocks_for(num_tokens)
+        if need > self._max_blocks_per_seq:
+            raise ValueError(
+                f"{num_tokens} tokens need {need} blocks per loop, more than "
+                f"max_blocks_per_seq={self._max_blocks_per_seq}"
+            )
+        have = cython.cast(cython.Py_ssize_t, self._counts[slot])
+        if need <= have:
+            return True
+        if (need - have) * self._num_loops > self._num_free:
+            return False
+        for i in range(have, need):
+            for t in range(self._num_loops):
+                self._num_free -= 1
+                self._tables[slot, t, i] = self._free[self._num_free]
+        self._counts[slot] = cython.cast(cython.int, need)
+        return True
+
+    @cython.initializedcheck(False)
+    def free(self, slot: cython.Py_ssize_t) -> None:
+        """Return every block of `slot` to the pool and clear its tables; idempotent."""
+        have: cython.Py_ssize_t
+        i: cython.Py_ssize_t
+        t: cython.Py_ssize_t
+        self._check_slot(slot)
+        have = cython.cast(cython.Py_ssize_t, self._counts[slot])
+        # Push in reverse allocation order so a re-allocation gets the same blocks back.
+        i = have - 1
+        while i >= 0:
+            t = self._num_loops - 1
+            while t >= 0:
+                self._free[self._num_free] = self._tables[slot, t, i]
+                self._num_free += 1
+                self._tables[slot, t, i] = -1  # UNUSED_BLOCK, as a C literal
+                t -= 1
+            i -= 1
+        self._counts[slot] = 0
+
+    @cython.initializedcheck(False)
+    def fill_slot_mapping(
+        self,
+        slot: cython.Py_ssize_t,
+        loop: cython.Py_ssize_t,
+        start: cython.Py_ssize_t,
+        length: cython.Py_ssize_t,
+        out: cython.longlong[:],
+        out_offset: cython.Py_ssize_t,
+    ) -> None:
+        """Write into out[out_offset : out_offset+length] the physical slots of positions
+        start .. start+length-1 in loop `loop`'s plane. The positions must be allocated."""
+        k: cython.Py_ssize_t
+        pos: cython.Py_ssize_t
+        bs: cython.Py_ssize_t = self._block_size
+        self._check_slot(slot)
+        if loop < 0 or loop >= self._num_loops:
+            raise ValueError(f"loop {loop} out of range [0, {self._num_loops})")
+        if start < 0 or length < 0 or start + length > self._counts[slot] * bs:
+            raise ValueError(
+                f"positions [{start}, {start + length}) not allocated for slot {slot} "
+                f"(covers {self._counts[slot] * bs})"
+            )
+        if out_offset < 0 or out_offset + length > out.shape[0]:
+            raise ValueError(f"out (length {out.shape[0]}) too short for {length} entries at {out_offset}")
+        for k in range(length):
+            pos = start + k
+            out[out_offset + k] = cython.cast(cython.longlong, self._tables[slot, loop, pos // bs]) * bs + (
+                pos % bs
+            )
+
+    @cython.initializedcheck(False)
+    def fill_propagation(
+        self,
+        slots: cython.const[cython.int][:],
+        positions: cython.const[cython.int][:],
+        exit_loops: cython.const[cython.int][:],
+        count: cython.Py_ssize_t,
+        src_out: cython.longlong[:],
+        dst_out: cython.longlong[:],
+    ) -> int:
+        """For each i < count, token positions[i] of slots[i] exited at loop exit_loops[i]:
+        write one (src, dst) pair of physical slots per deeper loop j in exit+1 .. num_loops-1,
+        src in the exit loop's plane, dst in loop j's, in order of i then j.
+        Returns the number of pairs written. Raises ValueError on bad input or short outputs."""
+        i: cython.Py_ssize_t
+        j: cython.Py_ssize_t
+        n: cython.Py_ssize_t = 0
+        s: cython.Py_ssize_t
+        pos: cython.Py_ssize_t
+        e: cython.Py_ssize_t
+        blk: cython.Py_ssize_t
+        off: cython.Py_ssize_t
+        src: cython.longlong
+        bs: cython.Py_ssize_t = self._block_size
+        if count < 0 or count > slots.shape[0] or count > positions.shape[0] or count > exit_loops.shape[0]:
+            raise ValueError(f"count {count} exceeds the input arrays")
+        for i in range(count):
+            s = slots[i]
+            pos = positions[i]
+            e = exit_loops[i]
+            self._check_slot(s)
+            if e < 0 or e >= self._num_loops:
+                raise ValueError(f"exit loop {e} out of range [0, {self._num_loops})")
+            if pos < 0 or pos >= self._counts[s] * bs:
+                raise ValueError(f"position {pos} not allocated for slot {s}")
+            if (
+                n + (self._num_loops - 1 - e) > src_out.shape[0]
+                or n + (self._num_loops - 1 - e) > dst_out.shape[0]
+            ):
+                raise ValueError("src_out/dst_out too short for the propagation pairs")
+            blk = pos // bs
+            off = pos % bs
+            src = cython.cast(cython.longlong, self._tables[s, e, blk]) * bs + off
+            for j in range(e + 1, self._num_loops):
+                src_out[n] = src
+                dst_out[n] = cython.cast(cython.longlong, self._tables[s, j, blk]) * bs + off
+                n += 1
+        return n
