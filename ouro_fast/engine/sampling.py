@@ -1,0 +1,206 @@
+"""Per-request sampling parameters and the batched token sampler."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+# Temperatures below this sample greedily: logits / temperature would overflow float32.
+GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingParams:
+    """What a request asks of the sampler, the stop conditions and Ouro's exit policy.
+
+    min_loops / max_loops / exit_threshold: None means the model defaults
+    (1, num_loops, config.early_exit_threshold). top_k 0 or -1 means off.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    min_loops: int | None = None
+    max_loops: int | None = None
+    exit_threshold: float | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self, num_loops: int) -> None:
+        """Raises ValueError naming the first bad field; returns None when all are valid."""
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            "an integer >= 1",
+            self.max_tokens,
+        )
+        _check(
+            _is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "a finite number >= 0",
+            self.temperature,
+        )
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= -1", self.top_k)
+        if self.seed is not None:
+            _check(
+                _is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63)", self.seed
+            )
+        _check(
+            isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "a list of non-empty strings",
+            self.stop,
+        )
+        _check(
+            isinstance(self.stop_token_ids, (list, tuple))
+            and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of integers >= 0",
+            self.stop_token_ids,
+        )
+        lo = 1 if self.min_loops is None else self.min_loops
+        hi = num_loops if self.max_loops is None else self.max_loops
+        _check(_is_int(lo) and 1 <= lo <= num_loops, "min_loops", f"an integer in [1, {num_loops}]", lo)
+        _check(_is_int(hi) and lo <= hi <= num_loops, "max_loops", f"an integer in [{lo}, {num_loops}]", hi)
+        if self.exit_threshold is not None:
+            _check(
+                _is_real(self.exit_threshold) and 0 <= self.exit_threshold <= 1,
+                "exit_threshold",
+                "in [0, 1]",
+                self.exit_threshold,
+            )
+
+    def exit_policy(self, num_loops: int, default_threshold: float) -> tuple[int, int, float]:
+        """(min_loops, max_loops, exit_threshold) with the model defaults filled in."""
+        lo = 1 if self.min_loops is None else self.min_loops
+        hi = num_loops if self.max_loops is None else self.max_loops
+        q = default_threshold if self.exit_threshold is None else self.exit_threshold
+        return lo, hi, float(q)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check(ok: bool, name: str, expected: str, got: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {got!r}")
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_seed(seed: int, output_index: int) -> int:
+    """The generator seed for token `output_index` of a request seeded with `seed`."""
+    return _splitmix64(_splitmix64(seed) ^ output_index) & ((1 << 63) - 1)
+
+
+class Sampler:
+    """Samples one token id per row of a logits batch.
+
+    Ids >= vocab_limit are never produced. Greedy rows (temperature < GREEDY_EPS)
+    take the argmax; other rows sample from softmax(logits / temperature) after
+    top-k then top-p filtering, by the Gumbel-max trick. A seeded row's token
+    depends only on its logits, parameters, seed and output_index, never on
+    the rest of the batch; unseeded rows draw from the sampler's own generator.
+    """
+
+    def __init__(self, vocab_limit: int, device: torch.device | str, seed: int = 0):
+        if vocab_limit < 1:
+            raise ValueError(f"vocab_limit must be >= 1, got {vocab_limit}")
+        self.vocab_limit = vocab_limit
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+        # One generator reseeded per seeded row: no allocation per row.
+        self._row_generator = torch.Generator(device=self.device)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+        top_k: torch.Tensor,
+        seeds: list[int | None],
+        output_index: list[int],
+    ) -> torch.Tensor:
+        """logits [R, V]; temperature, top_p, top_k [R] (on the CPU they cost no device sync);
+        seeds and output_index: one entry per row. Returns int64 ids [R] on logits' device."""
+        rows = logits.shape[0]
+        if not (len(temperature) == len(top_p) == len(top_k) == len(seeds) == len(output_index) == rows):
+            raise ValueError(
+                "temperature, top_p, top_k, seeds and output_index need one entry per logits row"
+            )
+        x = logits[:, : min(self.vocab_limit, logits.shape[1])].float()
+        ids = x.argmax(dim=-1)
+        temp_cpu = temperature.detach().to("cpu", torch.float32)
+        sampled = (temp_cpu >= GREEDY_EPS).nonzero().flatten().tolist()
+        if not sampled:
+            return ids
+        top_k_cpu = top_k.detach().to("cpu", torch.int64)[sampled]
+        top_p_cpu = top_p.detach().to("cpu", torch.float32)[sampled]
+        device = x.device
+        index = torch.tensor(sampled, device=device)
+        scaled = x[index] / temp_cpu[sampled].to(device)[:, None]
+        if bool((top_k_cpu > 0).any()) or bool((top_p_cpu < 1).any()):
+            scaled = _top_k_top_p(scaled, top_k_cpu.to(device), top_p_cpu.to(device))
+        noise = self._uniform_noise(
+            scaled.shape, [seeds[r] for r in sampled], [output_index[r] for r in sampled]
+        )
+        gumbel = -torch.log(-torch.log(noise.clamp_(min=torch.finfo(torch.float32).tiny)))
+        ids[index] = (scaled + gumbel).argmax(dim=-1)
+        return ids
+
+    def _uniform_noise(
+        self, shape: torch.Size, seeds: list[int | None], output_index: list[int]
+    ) -> torch.Tensor:
+        """Uniform [0, 1) noise, one row per sampled row; seeded rows from their own stream."""
+        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        unseeded = [i for i, s in enumerate(seeds) if s is None]
+        if len(unseeded) == len(seeds):
+            return noise.uniform_(generator=self._generator)
+        if unseeded:
+            draw = torch.empty((len(unseeded), shape[1]), dtype=torch.float32, device=self.device)
+            noise[torch.tensor(unseeded, device=self.device)] = draw.uniform_(generator=self._generator)
+        for i, s in enumerate(seeds):
+            if s is not None:
+                self._row_generator.manual_seed(row_seed(s, output_index[i]))
+                noise[i].uniform_(generator=self._row_generator)
+        return noise
+
+
+def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks to -inf all but each row's top_k logits (k <= 0: all), then all but the smallest
+    prefix of those, by probability, whose mass reaches top_p (always at least one token)."""
+    vocab = scaled.shape[1]
+    # Stable, so equal logits keep index order and top_k=1 agrees with argmax.
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    drop = torch.arange(vocab, device=scaled.device)[None, :] >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, -math.inf).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows with top_p == 1 skip the test: cumsum rounding could otherwise drop their tail.
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    drop[:, 0] = False
+    mask = torch.empty_like(drop).scatter_(1, order, drop)
+    return scaled.masked_fill(mask, -math.inf)
