@@ -1,0 +1,598 @@
+"""The loop-boundary scheduler: which rows run in the next step, and what their exits change.
+
+A request is identified by a small integer `rid`. It owns at most ONE row in
+flight: a chunk [start, start+len) of its not-yet-computed tokens at some loop t.
+Every step runs one loop for every scheduled row; rows at different loops share
+the batch. After the step, `update()` applies the runner's exit flags: the
+request's live token (its last known token) may exit and sample the next token;
+a row ends once every token in it has reached its depth. Rows freed by exits are
+refilled at the next `schedule()` by new loop-0 rows of other requests (decode
+tokens first, then prefill chunks, then admissions), within the row and token
+budgets.
+
+Per-token depth (loops whose K/V is computed, the rest being propagated copies):
+prompt tokens always run all T loops; a generated token runs until it exits.
+Depths are remembered so that a preempted request can be recomputed exactly
+(tokens past their depth do not write K/V; their deeper planes get the
+propagated copy, as in the original run).
+
+Memory policy: blocks are allocated when a row starts at loop 0 (all loops of
+its positions at once). When the pool runs dry, the youngest running request is
+preempted (its blocks freed, recomputed later), so the oldest always progresses.
+
+Compiled as ouro_fast.core.loop_scheduler; importable uncompiled as
+ouro_fast.core_py.loop_scheduler (the twin).
+"""
+
+import cython
+import numpy as np
+
+FREE = 0
+WAITING = 1
+RUNNING = 2
+
+NO_EXIT = 127  # exit_lo/exit_hi of a row whose last token does not sample at this step
+
+
+@cython.cclass
+class LoopScheduler:
+    """Decides each step's rows. Only the engine-owner thread may call it."""
+
+    bt: object
+    num_loops: cython.int
+    max_requests: cython.int
+    max_rows: cython.int
+    max_tokens: cython.int
+    refill: cython.bint
+    arrivals: cython.longlong
+
+    # Per request (indexed by rid).
+    _status: cython.int[:]
+    _kv_slot: cython.int[:]
+    _num_prompt: cython.int[:]
+    _num_tokens: cython.int[:]
+    _num_done: cython.int[:]
+    _cap: cython.int[:]
+    _arrival: cython.longlong[:]
+    _row_loop: cython.int[:]
+    _row_start: cython.int[:]
+    _row_len: cython.int[:]
+    _row_depth: cython.int[:]  # max depth among the row's non-live tokens
+    _row_live: cython.int[:]  # 1 while the row's last token still has to sample
+    _row_prev_off: cython.int[:]  # this row's first token index in the last step's batch
+    _min_loops: cython.int[:]
+    _max_loops: cython.int[:]
+    _log1mq: cython.float[:]
+    _tokens: list
+    _depths: list
+    _free_rids: cython.int[:]
+    _num_free_rids: cython.int
+    _free_slots: cython.int[:]
+    _num_free_slots: cython.int
+    _running: cython.int[:]  # rids holding a KV slot, in admission order
+    _num_running: cython.int
+    _waiting: cython.int[:]  # ring of rids, head = next to admit
+    _wait_head: cython.int
+    _wait_count: cython.int
+    _num_waiting: cython.int
+    # Pending propagation (rid, position, exit loop), emitted at the next schedule().
+    _pend_rid: cython.int[:]
+    _pend_pos: cython.int[:]
+    _pend_loop: cython.int[:]
+    _pend_epoch: cython.int[:]
+    _pend_slot: cython.int[:]
+    _pend_slot_arr: object
+    _pend_pos_arr: object
+    _pend_loop_arr: object
+    _num_pend: cython.int
+    _epoch: cython.int[:]  # bumped when a request loses its KV, so stale propagation is dropped
+
+    # Step outputs (read-only for the caller, valid until the next call).
+    num_rows = cython.declare(cython.int, visibility="readonly")
+    num_step_tokens = cython.declare(cython.int, visibility="readonly")
+    num_cont_tokens = cython.declare(cython.int, visibility="readonly")
+    num_prop = cython.declare(cython.int, visibility="readonly")
+    num_events = cython.declare(cython.int, visibility="readonly")
+    num_preempted = cython.declare(cython.int, visibility="readonly")
+    num_refills = cython.declare(cython.int, visibility="readonly")
+    row_rid = cython.declare(object, visibility="readonly")
+    row_kv_slot = cython.declare(object, visibility="readonly")
+    row_loop = cython.declare(object, visibility="readonly")
+    row_start = cython.declare(object, visibility="readonly")
+    row_len = cython.declare(object, visibility="readonly")
+    row_tok_off = cython.declare(object, visibility="readonly")
+    row_exit_lo = cython.declare(object, visibility="readonly")
+    row_exit_hi = cython.declare(object, visibility="readonly")
+    row_log1mq = cython.declare(object, visibility="readonly")
+    row_new = cython.declare(object, visibility="readonly")
+    token_ids = cython.declare(object, visibility="readonly")
+    positions = cython.declare(object, visibility="readonly")
+    slot_mapping = cython.declare(object, visibility="readonly")
+    hidden_src = cython.declare(object, visibility="readonly")
+    prop_src = cython.declare(object, visibility="readonly")
+    prop_dst = cython.declare(object, visibility="readonly")
+    ev_rid = cython.declare(object, visibility="readonly")
+    ev_token = cython.declare(object, visibility="readonly")
+    ev_loop = cython.declare(object, visibility="readonly")
+    ev_finished = cython.declare(object, visibility="readonly")
+    _o_rid: cython.int[:]
+    _o_slot: cython.int[:]
+    _o_loop: cython.int[:]
+    _o_start: cython.int[:]
+    _o_len: cython.int[:]
+    _o_off: cython.int[:]
+    _o_lo: cython.int[:]
+    _o_hi: cython.int[:]
+    _o_q: cython.float[:]
+    _o_new: cython.int[:]
+    _o_ids: cython.longlong[:]
+    _o_pos: cython.longlong[:]
+    _o_map: cython.longlong[:]
+    _o_hsrc: cython.longlong[:]
+    _o_psrc: cython.longlong[:]
+    _o_pdst: cython.longlong[:]
+    _e_rid: cython.int[:]
+    _e_tok: cython.int[:]
+    _e_loop: cython.int[:]
+    _e_fin: cython.int[:]
+
+    def __init__(self, block_table, max_requests: int, max_rows: int, max_tokens: int, refill: bool = True):
+        if max_rows < 1 or max_tokens < 1 or max_requests < 1:
+            raise ValueError("max_requests, max_rows and max_tokens must be positive")
+        if max_rows > block_table.max_seqs:
+            raise ValueError(f"max_rows {max_rows} exceeds the block table's {block_table.max_seqs} slots")
+        self.bt = block_table
+        self.num_loops = block_table.num_loops
+        self.max_requests = max_requests
+        self.max_rows = max_rows
+        self.max_tokens = max_tokens
+        self.refill = refill
+        self.arrivals = 0
+        i32 = lambda n: np.zeros(n, dtype=np.int32)  # noqa: E731
+        self._status, self._kv_slot = i32(max_requests), i32(max_requests)
+        self._num_prompt, self._num_tokens, self._num_done = i32(max_requests), i32(max_requests), i32(max_requests)
+        self._cap = i32(max_requests)
+        self._arrival = np.zeros(max_requests, dtype=np.int64)
+        self._row_loop = np.full(max_requests, -1, dtype=np.int32)
+        self._row_start, self._row_len = i32(max_requests), i32(max_requests)
+        self._row_depth, self._row_live, self._row_prev_off = i32(max_requests), i32(max_requests), i32(max_requests)
+        self._min_loops, self._max_loops = i32(max_requests), i32(max_requests)
+        self._log1mq = np.zeros(max_requests, dtype=np.float32)
+        self._tokens = [None] * max_requests
+        self._depths = [None] * max_requests
+        self._free_rids = np.arange(max_requests - 1, -1, -1, dtype=np.int32)
+        self._num_free_rids = max_requests
+        self._free_slots = np.arange(max_rows - 1, -1, -1, dtype=np.int32)
+        self._num_free_slots = max_rows
+        self._running = i32(max_rows)
+        self._num_running = 0
+        self._waiting = i32(max_requests)
+        self._wait_head = 0
+        self._wait_count = 0
+        self._num_waiting = 0
+        pend = max_tokens + max_rows
+        self._pend_slot_arr, self._pend_pos_arr, self._pend_loop_arr = i32(pend), i32(pend), i32(pend)
+        self._pend_rid, self._pend_epoch = i32(pend), i32(pend)
+        self._pend_slot, self._pend_pos, self._pend_loop = self._pend_slot_arr, self._pend_pos_arr, self._pend_loop_arr
+        self._epoch = i32(max_requests)
+        self._num_pend = 0
+        self._alloc_outputs()
+
+    def _alloc_outputs(self):
+        r, n = self.max_rows, self.max_tokens
+        self.row_rid, self.row_kv_slot = np.zeros(r, np.int32), np.zeros(r, np.int32)
+        self.row_loop, self.row_start, self.row_len = np.zeros(r, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
+        self.row_tok_off, self.row_new = np.zeros(r, np.int32), np.zeros(r, np.int32)
+        self.row_exit_lo, self.row_exit_hi = np.zeros(r, np.int32), np.zeros(r, np.int32)
+        self.row_log1mq = np.zeros(r, np.float32)
+        self.token_ids, self.positions = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self.slot_mapping, self.hidden_src = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        p = (n + r) * max(self.num_loops - 1, 1)
+        self.prop_src, self.prop_dst = np.zeros(p, np.int64), np.zeros(p, np.int64)
+        self.ev_rid, self.ev_token = np.zeros(r, np.int32), np.zeros(r, np.int32)
+        self.ev_loop, self.ev_finished = np.zeros(r, np.int32), np.zeros(r, np.int32)
+        self._o_rid, self._o_slot, self._o_loop = self.row_rid, self.row_kv_slot, self.row_loop
+        self._o_start, self._o_len, self._o_off = self.row_start, self.row_len, self.row_tok_off
+        self._o_lo, self._o_hi, self._o_q, self._o_new = self.row_exit_lo, self.row_exit_hi, self.row_log1mq, self.row_new
+        self._o_ids, self._o_pos, self._o_map, self._o_hsrc = (
+            self.token_ids,
+            self.positions,
+            self.slot_mapping,
+            self.hidden_src,
+        )
+        self._o_psrc, self._o_pdst = self.prop_src, self.prop_dst
+        self._e_rid, self._e_tok, self._e_loop, self._e_fin = self.ev_rid, self.ev_token, self.ev_loop, self.ev_finished
+        self.num_rows = self.num_step_tokens = self.num_cont_tokens = self.num_prop = self.num_events = 0
+        self.num_preempted = self.num_refills = 0
+
+    # ---- request lifecycle -------------------------------------------------
+
+    def add(self, prompt, cap_tokens: int, min_loops: int, max_loops: int, log1mq: float) -> int:
+        """Queue a request; returns its rid. `cap_tokens` = prompt + max new tokens (the finish length)."""
+        n: cython.int = len(prompt)
+        rid: cython.int
+        if n < 1 or cap_tokens <= n:
+            raise ValueError("a request needs a non-empty prompt and room for at least one new token")
+        bs = self.bt.block_size
+        if (cap_tokens + bs - 1) // bs * self.num_loops > self.bt.num_blocks:
+            raise ValueError(f"{cap_tokens} tokens need more KV blocks than the whole pool holds")
+        if cap_tokens > self.bt.max_blocks_per_seq * self.bt.block_size:
+            raise ValueError(f"{cap_tokens} tokens exceed the per-request block table")
+        if self._num_free_rids == 0:
+            raise OverflowError("the scheduler holds max_requests requests already")
+        self._num_free_rids -= 1
+        rid = self._free_rids[self._num_free_rids]
+        toks = np.zeros(cap_tokens, dtype=np.int32)
+        toks[:n] = prompt
+        depth = np.zeros(cap_tokens, dtype=np.int8)
+        depth[:n] = self.num_loops
+        self._tokens[rid], self._depths[rid] = toks, depth
+        self._num_prompt[rid] = n
+        self._num_tokens[rid] = n
+        self._num_done[rid] = 0
+        self._cap[rid] = cap_tokens
+        self._min_loops[rid], self._max_loops[rid], self._log1mq[rid] = min_loops, max_loops, log1mq
+        self._arrival[rid] = self.arrivals
+        self.arrivals += 1
+        self._row_loop[rid] = -1
+        self._kv_slot[rid] = -1
+        self._status[rid] = WAITING
+        self._wait_push(rid, False)
+        return rid
+
+    def finish(self, rid: int) -> None:
+        """Drop a request wherever it is (finished by the engine, or aborted): frees its KV and rid."""
+        if rid < 0 or rid >= self.max_requests or self._status[rid] == FREE:
+            return
+        if self._status[rid] == WAITING:
+            self._wait_remove(rid)
+        else:
+            self._release_slot(rid)
+        self._status[rid] = FREE
+        self._tokens[rid] = None
+        self._depths[rid] = None
+        self._free_rids[self._num_free_rids] = rid
+        self._num_free_rids += 1
+
+    @property
+    def num_running(self) -> int:
+        return self._num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    def status(self, rid: int) -> int:
+        return self._status[rid]
+
+    def tokens(self, rid: int):
+        """The request's known token ids (prompt then outputs), a copy."""
+        return np.array(self._tokens[rid][: self._num_tokens[rid]])
+
+    def depths(self, rid: int):
+        """Loops computed per known token (0 for the live token not yet exited), a copy."""
+        return np.array(self._depths[rid][: self._num_tokens[rid]])
+
+    # ---- internals ---------------------------------------------------------
+
+    @cython.cfunc
+    def _wait_push(self, rid: cython.int, front: cython.bint) -> cython.void:
+        cap: cython.int = self.max_requests
+        if front:
+            self._wait_head = (self._wait_head - 1 + cap) % cap
+            self._waiting[self._wait_head] = rid
+        else:
+            self._waiting[(self._wait_head + self._wait_count) % cap] = rid
+        self._wait_count += 1
+        self._num_waiting += 1
+
+    @cython.cfunc
+    def _wait_remove(self, rid: cython.int) -> cython.void:
+        """Take a request out of the waiting ring, keeping the others' order (aborts are rare)."""
+        cap: cython.int = self.max_requests
+        i: cython.int
+        j: cython.int = 0
+        cur: cython.int
+        for i in range(self._wait_count):
+            cur = self._waiting[(self._wait_head + i) % cap]
+            if cur != rid:
+                self._waiting[(self._wait_head + j) % cap] = cur
+                j += 1
+        self._num_waiting -= self._wait_count - j
+        self._wait_count = j
+
+    @cython.cfunc
+    def _release_slot(self, rid: cython.int) -> cython.void:
+        i: cython.int
+        j: cython.int = 0
+        slot: cython.int = self._kv_slot[rid]
+        self._epoch[rid] += 1
+        self.bt.free(slot)
+        self._free_slots[self._num_free_slots] = slot
+        self._num_free_slots += 1
+        self._kv_slot[rid] = -1
+        self._row_loop[rid] = -1
+        for i in range(self._num_running):
+            if self._running[i] != rid:
+                self._running[j] = self._running[i]
+                j += 1
+        self._num_running = j
+
+    @cython.cfunc
+    def _preempt(self, rid: cython.int) -> cython.void:
+        """Free a running request's KV and queue it first for recomputation."""
+        self._release_slot(rid)
+        self._num_done[rid] = 0
+        self._status[rid] = WAITING
+        self._wait_push(rid, True)
+        self.num_preempted += 1
+
+    @cython.cfunc
+    def _chunk_len(self, rid: cython.int, budget: cython.int) -> cython.int:
+        left: cython.int = self._num_tokens[rid] - self._num_done[rid]
+        return left if left < budget else budget
+
+    @cython.cfunc
+    def _start_row(self, rid: cython.int, length: cython.int) -> cython.void:
+        """A new loop-0 row over the request's next `length` uncomputed tokens."""
+        i: cython.int
+        d: cython.int
+        start: cython.int = self._num_done[rid]
+        depth: cython.schar[:] = self._depths[rid]
+        deepest: cython.int = 0
+        live: cython.int = 1 if start + length == self._num_tokens[rid] else 0
+        for i in range(start, start + length - live):
+            d = depth[i]
+            if d > deepest:
+                deepest = d
+        if live and depth[start + length - 1] != 0:
+            deepest = self.num_loops  # a prompt token samples but still runs every loop
+        self._row_loop[rid] = 0
+        self._row_start[rid] = start
+        self._row_len[rid] = length
+        self._row_depth[rid] = deepest
+        self._row_live[rid] = live
+
+    @cython.cfunc
+    def _emit_row(self, r: cython.int, rid: cython.int, off: cython.int, prev: cython.bint) -> cython.int:
+        """Write row r's per-row and per-token outputs; returns the token count."""
+        i: cython.int
+        pos: cython.int
+        loop: cython.int = self._row_loop[rid]
+        start: cython.int = self._row_start[rid]
+        n: cython.int = self._row_len[rid]
+        depth: cython.schar[:] = self._depths[rid]
+        toks: cython.int[:] = self._tokens[rid]
+        self._o_rid[r] = rid
+        self._o_slot[r] = self._kv_slot[rid]
+        self._o_loop[r] = loop
+        self._o_start[r] = start
+        self._o_len[r] = n
+        self._o_off[r] = off
+        self._o_new[r] = 0 if prev else 1
+        if self._row_live[rid]:
+            self._o_lo[r] = self._min_loops[rid] - 1
+            self._o_hi[r] = self._max_loops[rid] - 1
+        else:
+            self._o_lo[r] = NO_EXIT
+            self._o_hi[r] = NO_EXIT
+        self._o_q[r] = self._log1mq[rid]
+        self.bt.fill_slot_mapping(self._kv_slot[rid], loop, start, n, self._o_map, off)
+        for i in range(n):
+            pos = start + i
+            self._o_pos[off + i] = pos
+            self._o_ids[off + i] = toks[pos]
+            self._o_hsrc[off + i] = self._row_prev_off[rid] + i if prev else -1
+            # Past its depth a token's K/V at this plane is a propagated copy: do not overwrite it.
+            if depth[pos] != 0 and depth[pos] <= loop:
+                self._o_map[off + i] = -1
+        self._row_prev_off[rid] = off
+        return n
+
+    @cython.cfunc
+    def _admit(self, rid: cython.int) -> cython.void:
+        """Give a waiting request a free KV slot (the caller checked there is one)."""
+        slot: cython.int
+        self._num_free_slots -= 1
+        slot = self._free_slots[self._num_free_slots]
+        self._kv_slot[rid] = slot
+        self._status[rid] = RUNNING
+        self._running[self._num_running] = rid
+        self._num_running += 1
+
+    # ---- the step ------------------------------------------------------------
+
+    def schedule(self) -> int:
+        """Choose the next step's rows; fills the row_*/token arrays and the propagation pairs.
+
+        Rows that continue from the last step come first, in their last-step order
+        (hidden_src indexes the last step's tokens); new loop-0 rows follow.
+        """
+        r: cython.int = 0
+        off: cython.int = 0
+        k: cython.int
+        rid: cython.int
+        self.num_preempted = 0
+        self.num_refills = 0
+        # 1. Rows in flight continue at their next loop (compacted in place: r <= k).
+        for k in range(self.num_rows):
+            rid = self._o_rid[k]
+            if self._status[rid] == RUNNING and self._row_loop[rid] > 0:
+                off += self._emit_row(r, rid, off, True)
+                r += 1
+        self.num_cont_tokens = off
+        # 2. Refill the rows that exits freed, unless the batch must drain first.
+        if self.refill or r == 0:
+            cont: cython.int = r
+            r, off = self._start_running_rows(r, off, 0)
+            r, off = self._start_running_rows(r, off, 1)
+            r, off = self._admit_waiting(r, off)
+            if cont > 0:
+                self.num_refills = r - cont
+        self.num_rows = r
+        self.num_step_tokens = off
+        self._emit_propagation()
+        return r
+
+    @cython.cfunc
+    def _start_running_rows(self, r: cython.int, off: cython.int, prefill: cython.bint):
+        """New loop-0 rows for running requests without one: decode tokens, or (prefill) longer chunks."""
+        k: cython.int = 0
+        rid: cython.int
+        n: cython.int
+        got: cython.int
+        while k < self._num_running and r < self.max_rows and off < self.max_tokens:
+            rid = self._running[k]
+            k += 1
+            n = self._num_tokens[rid] - self._num_done[rid]
+            if self._row_loop[rid] >= 0 or n <= 0 or (n > 1) != prefill:
+                continue
+            n = self._chunk_len(rid, self.max_tokens - off)
+            got = self._reserve(rid, self._num_done[rid] + n, k - 1)
+            if got < 0:
+                k -= 1  # it preempted itself: the list shifted left under it
+                continue
+            if got == 0:
+                continue  # no younger idle request to preempt: wait for in-flight rows to finish
+            self._start_row(rid, n)
+            off += self._emit_row(r, rid, off, False)
+            r += 1
+        return r, off
+
+    @cython.cfunc
+    def _reserve(self, rid: cython.int, end: cython.int, index: cython.int) -> cython.int:
+        """Blocks for positions [0, end): 1 if done; 0 to wait; -1 if the request preempted itself.
+
+        Victims are the youngest running requests with no row in flight, never one
+        already in this step's batch (its blocks are about to be written).
+        """
+        k: cython.int
+        victim: cython.int
+        while not self.bt.allocate(self._kv_slot[rid], end):
+            victim = -1
+            k = self._num_running - 1
+            while k >= index:
+                if self._row_loop[self._running[k]] < 0:
+                    victim = self._running[k]
+                    break
+                k -= 1
+            if victim < 0:
+                return 0
+            self._preempt(victim)
+            if victim == rid:
+                return -1
+        return 1
+
+    @cython.cfunc
+    def _admit_waiting(self, r: cython.int, off: cython.int):
+        """Admit waiting requests in order while rows, tokens, slots and blocks allow (no preemption)."""
+        rid: cython.int
+        n: cython.int
+        while self._wait_count > 0 and r < self.max_rows and off < self.max_tokens:
+            rid = self._waiting[self._wait_head]
+            if self._num_free_slots == 0:
+                break
+            n = self._chunk_len(rid, self.max_tokens - off)
+            self._admit(rid)
+            if not self.bt.allocate(self._kv_slot[rid], n):
+                self._release_slot(rid)
+                self._status[rid] = WAITING
+                break
+            self._wait_pop()
+            self._num_waiting -= 1
+            self._start_row(rid, n)
+            off += self._emit_row(r, rid, off, False)
+            r += 1
+        return r, off
+
+    @cython.cfunc
+    def _wait_pop(self) -> cython.void:
+        self._wait_head = (self._wait_head + 1) % self.max_requests
+        self._wait_count -= 1
+
+    @cython.cfunc
+    def _emit_propagation(self) -> cython.void:
+        """Turn pending exits into (src, dst) slot pairs, for requests that still hold their KV."""
+        i: cython.int
+        j: cython.int = 0
+        rid: cython.int
+        for i in range(self._num_pend):
+            rid = self._pend_rid[i]
+            if self._status[rid] == RUNNING and self._epoch[rid] == self._pend_epoch[i]:
+                self._pend_slot[j] = self._kv_slot[rid]
+                self._pend_pos[j] = self._pend_pos[i]
+                self._pend_loop[j] = self._pend_loop[i]
+                j += 1
+        self.num_prop = self.bt.fill_propagation(
+            self._pend_slot_arr, self._pend_pos_arr, self._pend_loop_arr, j, self.prop_src, self.prop_dst
+        )
+        self._num_pend = 0
+
+    def update(self, exited, sampled) -> int:
+        """Apply the runner's per-row exit flags and sampled ids (uint8/int arrays, one per row).
+
+        Fills ev_rid/ev_token/ev_loop/ev_finished: one event per sampled token;
+        ev_finished = 1 when the request reached its length cap (its rid is freed).
+        """
+        k: cython.int
+        ev: cython.int = 0
+        rid: cython.int
+        ex: cython.uchar[:] = exited
+        smp: cython.int[:] = sampled
+        for k in range(self.num_rows):
+            rid = self._o_rid[k]
+            if self._status[rid] != RUNNING:
+                continue
+            if self._row_live[rid] and ex[k]:
+                self._e_rid[ev] = rid
+                self._e_tok[ev] = smp[k]
+                self._e_loop[ev] = self._row_loop[rid]
+                self._e_fin[ev] = self._take_sample(rid, smp[k])
+                ev += 1
+                if self._status[rid] == FREE:
+                    continue
+            self._advance_row(rid)
+        self.num_events = ev
+        return ev
+
+    @cython.cfunc
+    def _take_sample(self, rid: cython.int, token: cython.int) -> cython.int:
+        """The live token exited: record its depth and append the sampled token. 1 if now finished."""
+        loop: cython.int = self._row_loop[rid]
+        pos: cython.int = self._row_start[rid] + self._row_len[rid] - 1
+        depth: cython.schar[:] = self._depths[rid]
+        toks: cython.int[:] = self._tokens[rid]
+        if depth[pos] == 0:
+            depth[pos] = loop + 1  # a generated token stops here; deeper planes get copies
+        self._row_live[rid] = 0
+        toks[self._num_tokens[rid]] = token
+        self._num_tokens[rid] += 1
+        if self._num_tokens[rid] >= self._cap[rid]:
+            self.finish(rid)
+            return 1
+        return 0
+
+    @cython.cfunc
+    def _advance_row(self, rid: cython.int) -> cython.void:
+        """After a loop: queue propagation for tokens that stop here; end or continue the row."""
+        i: cython.int
+        loop: cython.int = self._row_loop[rid]
+        start: cython.int = self._row_start[rid]
+        end: cython.int = start + self._row_len[rid]
+        depth: cython.schar[:]
+        if loop + 1 < self.num_loops and end > self._num_prompt[rid]:
+            depth = self._depths[rid]
+            i = start if start > self._num_prompt[rid] else self._num_prompt[rid]
+            while i < end:
+                if depth[i] == loop + 1:
+                    self._pend_rid[self._num_pend] = rid
+                    self._pend_epoch[self._num_pend] = self._epoch[rid]
+                    self._pend_pos[self._num_pend] = i
+                    self._pend_loop[self._num_pend] = loop
+                    self._num_pend += 1
+                i += 1
+        if loop + 1 >= self.num_loops or (not self._row_live[rid] and self._row_depth[rid] <= loop + 1):
+            self._num_done[rid] = end
+            self._row_loop[rid] = -1
+        else:
+            self._row_loop[rid] = loop + 1

@@ -1,0 +1,72 @@
+"""What the engine hands back: per-request outputs and per-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class RequestOutput:
+    """News of one request from one step. `text_delta` concatenated over a request is its text."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
+    prompt_tokens: int
+    completion_tokens: int
+    exit_loops: list[int]  # 0-based exit loop of each new token
+    error: str | None = None
+    request: Any = None  # the finished Request (full text, ids, exit loops); None until finished
+
+
+@dataclass
+class StepStats:
+    """The last step's figures and running totals."""
+
+    num_loops: int
+    steps: int = 0
+    rows: int = 0
+    tokens: int = 0
+    exits: int = 0
+    refills: int = 0
+    preemptions: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    rows_per_loop: list[int] = field(default_factory=list)  # last step
+    total_rows_per_loop: list[int] = field(default_factory=list)
+    total_exits: int = 0
+    total_refills: int = 0
+    total_preemptions: int = 0
+    exit_depth_histogram: list[int] = field(default_factory=list)  # tokens by loops run (1..T)
+    scheduler_seconds: float = 0.0
+    model_seconds: float = 0.0
+    detok_seconds: float = 0.0
+
+    def __post_init__(self):
+        self.total_rows_per_loop = [0] * self.num_loops
+        self.exit_depth_histogram = [0] * self.num_loops
+
+    def record(self, sched, bt, events: int, sched_s: float, model_s: float, detok_s: float) -> None:
+        r = sched.num_rows
+        self.steps += 1
+        self.rows, self.tokens, self.exits = r, sched.num_step_tokens, events
+        self.refills, self.preemptions = sched.num_refills, sched.num_preempted
+        self.kv_blocks_free = bt.num_free_blocks
+        self.kv_blocks_used = bt.num_blocks - bt.num_free_blocks
+        per_loop = np.bincount(sched.row_loop[:r], minlength=self.num_loops)
+        self.rows_per_loop = per_loop.tolist()
+        for t in range(self.num_loops):
+            self.total_rows_per_loop[t] += int(per_loop[t])
+        for loop in sched.ev_loop[:events]:
+            self.exit_depth_histogram[int(loop)] += 1
+        self.total_exits += events
+        self.total_refills += sched.num_refills
+        self.total_preemptions += sched.num_preempted
+        self.scheduler_seconds += sched_s
+        self.model_seconds += model_s
+        self.detok_seconds += detok_s
