@@ -150,12 +150,20 @@ class LoopScheduler:
         self.arrivals = 0
         i32 = lambda n: np.zeros(n, dtype=np.int32)  # noqa: E731
         self._status, self._kv_slot = i32(max_requests), i32(max_requests)
-        self._num_prompt, self._num_tokens, self._num_done = i32(max_requests), i32(max_requests), i32(max_requests)
+        self._num_prompt, self._num_tokens, self._num_done = (
+            i32(max_requests),
+            i32(max_requests),
+            i32(max_requests),
+        )
         self._cap = i32(max_requests)
         self._arrival = np.zeros(max_requests, dtype=np.int64)
         self._row_loop = np.full(max_requests, -1, dtype=np.int32)
         self._row_start, self._row_len = i32(max_requests), i32(max_requests)
-        self._row_depth, self._row_live, self._row_prev_off = i32(max_requests), i32(max_requests), i32(max_requests)
+        self._row_depth, self._row_live, self._row_prev_off = (
+            i32(max_requests),
+            i32(max_requests),
+            i32(max_requests),
+        )
         self._min_loops, self._max_loops = i32(max_requests), i32(max_requests)
         self._log1mq = np.zeros(max_requests, dtype=np.float32)
         self._tokens = [None] * max_requests
@@ -173,7 +181,11 @@ class LoopScheduler:
         pend = max_tokens + max_rows
         self._pend_slot_arr, self._pend_pos_arr, self._pend_loop_arr = i32(pend), i32(pend), i32(pend)
         self._pend_rid, self._pend_epoch = i32(pend), i32(pend)
-        self._pend_slot, self._pend_pos, self._pend_loop = self._pend_slot_arr, self._pend_pos_arr, self._pend_loop_arr
+        self._pend_slot, self._pend_pos, self._pend_loop = (
+            self._pend_slot_arr,
+            self._pend_pos_arr,
+            self._pend_loop_arr,
+        )
         self._epoch = i32(max_requests)
         self._num_pend = 0
         self._alloc_outputs()
@@ -181,7 +193,11 @@ class LoopScheduler:
     def _alloc_outputs(self):
         r, n = self.max_rows, self.max_tokens
         self.row_rid, self.row_kv_slot = np.zeros(r, np.int32), np.zeros(r, np.int32)
-        self.row_loop, self.row_start, self.row_len = np.zeros(r, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
+        self.row_loop, self.row_start, self.row_len = (
+            np.zeros(r, np.int32),
+            np.zeros(r, np.int32),
+            np.zeros(r, np.int32),
+        )
         self.row_tok_off, self.row_new = np.zeros(r, np.int32), np.zeros(r, np.int32)
         self.row_exit_lo, self.row_exit_hi = np.zeros(r, np.int32), np.zeros(r, np.int32)
         self.row_log1mq = np.zeros(r, np.float32)
@@ -193,7 +209,12 @@ class LoopScheduler:
         self.ev_loop, self.ev_finished = np.zeros(r, np.int32), np.zeros(r, np.int32)
         self._o_rid, self._o_slot, self._o_loop = self.row_rid, self.row_kv_slot, self.row_loop
         self._o_start, self._o_len, self._o_off = self.row_start, self.row_len, self.row_tok_off
-        self._o_lo, self._o_hi, self._o_q, self._o_new = self.row_exit_lo, self.row_exit_hi, self.row_log1mq, self.row_new
+        self._o_lo, self._o_hi, self._o_q, self._o_new = (
+            self.row_exit_lo,
+            self.row_exit_hi,
+            self.row_log1mq,
+            self.row_new,
+        )
         self._o_ids, self._o_pos, self._o_map, self._o_hsrc = (
             self.token_ids,
             self.positions,
@@ -201,7 +222,12 @@ class LoopScheduler:
             self.hidden_src,
         )
         self._o_psrc, self._o_pdst = self.prop_src, self.prop_dst
-        self._e_rid, self._e_tok, self._e_loop, self._e_fin = self.ev_rid, self.ev_token, self.ev_loop, self.ev_finished
+        self._e_rid, self._e_tok, self._e_loop, self._e_fin = (
+            self.ev_rid,
+            self.ev_token,
+            self.ev_loop,
+            self.ev_finished,
+        )
         self.num_rows = self.num_step_tokens = self.num_cont_tokens = self.num_prop = self.num_events = 0
         self.num_preempted = self.num_refills = 0
 
@@ -264,6 +290,10 @@ class LoopScheduler:
 
     def status(self, rid: int) -> int:
         return self._status[rid]
+
+    def kv_slot(self, rid: int) -> int:
+        """The request's row in the block tables, -1 while it holds no KV."""
+        return self._kv_slot[rid]
 
     def tokens(self, rid: int):
         """The request's known token ids (prompt then outputs), a copy."""

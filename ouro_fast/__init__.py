@@ -1,7 +1,7 @@
 """ouro_fast: a serving engine for the looped language model Ouro.
 
-    from ouro_fast import LLM, SamplingParams
-    LLM().generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+from ouro_fast import LLM, SamplingParams
+LLM().generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
 """
 
 __version__ = "0.1.0"

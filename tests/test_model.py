@@ -37,8 +37,15 @@ def make_model(cfg=CFG, seed=0):
 
 def run_prefill(model, ids, loops):
     cfg = model.config
-    attn = ContiguousAttention(cfg.total_ut_steps, cfg.num_hidden_layers, 64, cfg.num_key_value_heads,
-                               cfg.head_dim, torch.float32, "cpu")
+    attn = ContiguousAttention(
+        cfg.total_ut_steps,
+        cfg.num_hidden_layers,
+        64,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        torch.float32,
+        "cpu",
+    )
     h = model.embed(torch.tensor(ids))
     pos = torch.arange(len(ids))
     logits, gates = [], []
@@ -78,8 +85,9 @@ def test_incremental_decode_equals_full_prefill():
     cfg = model.config
     with torch.no_grad():
         full, _ = run_prefill(model, ids, 4)
-        attn = ContiguousAttention(4, cfg.num_hidden_layers, 64, cfg.num_key_value_heads, cfg.head_dim,
-                                   torch.float32, "cpu")
+        attn = ContiguousAttention(
+            4, cfg.num_hidden_layers, 64, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu"
+        )
         for i, tok in enumerate(ids):
             h = model.embed(torch.tensor([tok]))
             attn.start = i
@@ -143,8 +151,13 @@ def test_exit_mask_batched_matches_scalar():
             decided = torch.full((64,), -1)
             for t in range(4):
                 log_surv = update_log_survival(log_surv, gates[:, t])
-                m = exit_mask(torch.full((64,), t), log_surv, torch.full((64,), log_one_minus(q)),
-                              torch.full((64,), lo), torch.full((64,), hi))
+                m = exit_mask(
+                    torch.full((64,), t),
+                    log_surv,
+                    torch.full((64,), log_one_minus(q)),
+                    torch.full((64,), lo),
+                    torch.full((64,), hi),
+                )
                 decided = torch.where((decided < 0) & m, torch.full_like(decided, t), decided)
             decided = torch.where(decided < 0, torch.full_like(decided, 3), decided)
             expect = [exit_loop(gates[i].tolist(), q, lo, hi) for i in range(64)]

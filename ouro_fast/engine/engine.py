@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,9 @@ from .sampling import SamplingParams
 
 logger = logging.getLogger("ouro_fast")
 
+# Per-step decode batches are small: tokenizers' thread pool costs more than it saves.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 
 @dataclass
 class EngineConfig:
@@ -50,6 +54,9 @@ class EngineConfig:
     refill: bool = True  # False: a batch drains to its slowest row before new rows join
     seed: int = 0
     keep_logits: bool = False  # keep each output token's logits (tests)
+    cpu_threads: int | None = (
+        1  # torch intra-op threads on CPU (None: torch's default); leaves a core to HTTP
+    )
 
 
 @dataclass
@@ -89,6 +96,8 @@ class Engine:
         self.model_dir = Path(cfg.model) if cfg.model else default_model_dir()
         self.device = _pick_device(cfg.device)
         self.dtype = _pick_dtype(cfg.dtype, self.device)
+        if self.device.type == "cpu" and cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
         self.model_config: OuroConfig = load_config(self.model_dir)
         self.num_loops = self.model_config.total_ut_steps
         self.tokenizer = OuroTokenizer.from_dir(self.model_dir)
@@ -124,7 +133,11 @@ class Engine:
         else:
             budget = cfg.kv_cache_bytes
             if budget is None:
-                budget = 256 << 20 if self.device.type == "cpu" else int(torch.cuda.mem_get_info(self.device)[0] * 0.85)
+                budget = (
+                    256 << 20
+                    if self.device.type == "cpu"
+                    else int(torch.cuda.mem_get_info(self.device)[0] * 0.85)
+                )
             num_blocks = budget // block_bytes
         if num_blocks < self.num_loops:
             raise ValueError(f"the KV budget holds {num_blocks} blocks: fewer than one token at every loop")
@@ -132,7 +145,11 @@ class Engine:
         max_blocks_per_seq = math.ceil(self.max_model_len / cfg.block_size)
         self.bt = BlockTable(num_blocks, cfg.block_size, self.num_loops, cfg.max_num_seqs, max_blocks_per_seq)
         self.scheduler = LoopScheduler(
-            self.bt, cfg.max_num_seqs + cfg.max_waiting, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.refill
+            self.bt,
+            cfg.max_num_seqs + cfg.max_waiting,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.refill,
         )
         n = cfg.max_num_seqs + cfg.max_waiting
         self.sampling = RowSampling(
@@ -147,7 +164,9 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None
+    ) -> None:
         """Queue a request. Raises ValueError (a client error) or OverflowError (queue full)."""
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -253,7 +272,11 @@ class Engine:
                 finished[rid] = "stop"
             n_new = len(new.get(rid, ())) + (1 if finished.get(rid) == "stop" and not stop_hit else 0)
             if rid in finished:
-                outs.append(self._finish(req, finished[rid], delta=delta, new_ids=req.output_ids[-n_new:] if n_new else []))
+                outs.append(
+                    self._finish(
+                        req, finished[rid], delta=delta, new_ids=req.output_ids[-n_new:] if n_new else []
+                    )
+                )
             else:
                 req.text += delta
                 outs.append(self._output(req, delta, req.output_ids[-n_new:], None))
@@ -263,7 +286,9 @@ class Engine:
         s = self.scheduler
         return int(np.flatnonzero(s.row_rid[: s.num_rows] == rid)[0])
 
-    def _finish(self, req: Request, reason: str, error: str | None = None, delta: str = "", new_ids=()) -> RequestOutput:
+    def _finish(
+        self, req: Request, reason: str, error: str | None = None, delta: str = "", new_ids=()
+    ) -> RequestOutput:
         self.scheduler.finish(req.rid)  # no-op when the scheduler already freed it (length cap)
         delta += self.detok.finish(req.rid)
         self.detok.remove(req.rid)
@@ -282,7 +307,7 @@ class Engine:
             finish_reason=reason,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
-            exit_loops=req.exit_loops[len(req.exit_loops) - len(new_ids):] if new_ids else [],
+            exit_loops=req.exit_loops[len(req.exit_loops) - len(new_ids) :] if new_ids else [],
             error=error,
             request=req if reason is not None else None,
         )

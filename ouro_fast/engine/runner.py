@@ -95,12 +95,19 @@ class ModelRunner:
         r, n, n_cont = sched.num_rows, sched.num_step_tokens, sched.num_cont_tokens
         self._propagate(sched)
         hidden_src = self._tensor(sched.hidden_src, n_cont)
-        h = torch.cat((self.prev_hidden[hidden_src], self.model.embed(self._tensor(sched.token_ids[n_cont:], n - n_cont))))
+        h = torch.cat(
+            (
+                self.prev_hidden[hidden_src],
+                self.model.embed(self._tensor(sched.token_ids[n_cont:], n - n_cont)),
+            )
+        )
         self.attn.batch = self._paged_batch(sched, tables)
         h = self.model.run_loop(h, self._tensor(sched.positions, n), self.attn)
 
-        last = torch.from_numpy((sched.row_tok_off[:r] + sched.row_len[:r] - 1).astype(np.int64)).to(self.device)
-        prev_last = torch.from_numpy(sched.hidden_src[: n].astype(np.int64)).to(self.device)[last]
+        last = torch.from_numpy((sched.row_tok_off[:r] + sched.row_len[:r] - 1).astype(np.int64)).to(
+            self.device
+        )
+        prev_last = torch.from_numpy(sched.hidden_src[:n].astype(np.int64)).to(self.device)[last]
         log_surv = torch.where(
             prev_last >= 0, self.prev_log_surv[prev_last.clamp(min=0)], torch.zeros((), device=self.device)
         ) if self.prev_log_surv.numel() else torch.zeros(r, device=self.device)  # fmt: skip

@@ -26,7 +26,11 @@ class Generation:
 
 class DenseReference:
     def __init__(
-        self, weights: dict[str, torch.Tensor], cfg: OuroConfig, max_len: int = 512, vocab_limit: int | None = None
+        self,
+        weights: dict[str, torch.Tensor],
+        cfg: OuroConfig,
+        max_len: int = 512,
+        vocab_limit: int | None = None,
     ):
         self.w = {k: v.detach().float().cpu() for k, v in weights.items()}
         self.cfg = cfg
@@ -85,14 +89,16 @@ class DenseReference:
         return self._rms(h, "model.norm.weight")
 
     def _gate(self, h):
-        return (h @ self.w["model.early_exit_gate.weight"].T + self.w["model.early_exit_gate.bias"]).squeeze(-1)
+        return (h @ self.w["model.early_exit_gate.weight"].T + self.w["model.early_exit_gate.bias"]).squeeze(
+            -1
+        )
 
     def _logits(self, h):
         head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
         return h @ head.T
 
     def prefill(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run tokens at positions start.. through ALL loops. Returns per-loop logits [T, n, V], gates [T, n]."""
+        """Run tokens at positions start.. through ALL loops; returns logits [T, n, V] and gates [T, n]."""
         h = self.w["model.embed_tokens.weight"][torch.tensor(ids)]
         logits, gates = [], []
         for loop in range(self.cfg.total_ut_steps):

@@ -1,0 +1,260 @@
+"""The paged, loop-batched engine against the dense reference, and its bookkeeping.
+
+The tiny preset's gate is biased so that, at threshold 0.5, tokens exit at
+every depth: rows at different loops share steps, exits refill rows, and
+last-exited propagation matters for later tokens.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from ouro_fast.engine.engine import Engine, EngineConfig
+from ouro_fast.engine.llm import LLM
+from ouro_fast.engine.sampling import SamplingParams
+from ouro_fast.model.checkpoints import make_checkpoint
+from ouro_fast.model.reference import DenseReference
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 40)), [1], [42] * 17, [7, 7, 8, 9, 300, 301]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(
+        make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=1, dtype="float32", progress=False)
+    )
+
+
+def run(engine, prompts, params):
+    """Submit all prompts, step until done; returns finished Requests in prompt order."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    done, mixed_steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.request
+        mixed_steps += sum(1 for n in engine.stats.rows_per_loop if n) > 1
+    assert engine.bt.num_free_blocks == engine.bt.num_blocks, "KV blocks leaked"
+    engine.mixed_steps = mixed_steps
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def greedy(q, n=20):
+    return SamplingParams(max_tokens=n, temperature=0, exit_threshold=q, ignore_eos=True)
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.5, 0.2])
+def test_engine_matches_dense_reference(model_dir, threshold):
+    engine = Engine(EngineConfig(model=model_dir, keep_logits=True))
+    got = run(engine, PROMPTS, greedy(threshold))
+    ref = DenseReference(dict(engine.model.state_dict()), engine.model_config, 128, engine.vocab_limit)
+    depths = set()
+    for prompt, req in zip(PROMPTS, got):
+        want = ref.generate(prompt, 20, threshold=threshold)
+        assert req.output_ids == want.tokens
+        assert req.exit_loops == want.exit_loops
+        depths |= set(req.exit_loops)
+        v = engine.vocab_limit
+        for a, b in zip(req.logits, want.logits):
+            torch.testing.assert_close(a[:v], b[:v], atol=1e-4, rtol=1e-4)
+    if threshold == 1.0:
+        assert depths == {3}
+    else:
+        assert len(depths) >= 3, depths  # the test exercises early exit at several depths
+        assert engine.mixed_steps > 0  # rows at different loops shared a step
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_num_seqs=1),  # one request at a time
+        dict(refill=False),  # the batch drains to its slowest row
+        dict(max_num_batched_tokens=5),  # chunked prefill
+        dict(num_kv_blocks=20, max_num_seqs=6),  # a tiny pool: preemption and recompute
+    ],
+)
+def test_batching_modes_give_identical_tokens(model_dir, options):
+    params = greedy(0.5)
+    base = run(Engine(EngineConfig(model=model_dir)), PROMPTS, params)
+    engine = Engine(EngineConfig(model=model_dir, **options))
+    got = run(engine, PROMPTS, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in base]
+    assert [r.exit_loops for r in got] == [r.exit_loops for r in base]
+    if options.get("num_kv_blocks"):
+        assert engine.stats.total_preemptions > 0
+    if options.get("refill") is False:
+        assert engine.stats.total_refills == 0
+
+
+def test_refill_fills_rows_freed_by_exits(model_dir):
+    engine = Engine(EngineConfig(model=model_dir))
+    run(engine, PROMPTS, greedy(0.5))
+    assert engine.stats.total_refills > 0
+
+
+def test_propagation_copies_exited_kv_into_deeper_planes(model_dir):
+    engine = Engine(EngineConfig(model=model_dir))
+    engine.add_request("a", [3, 4, 5, 6], greedy(0.5, n=40))
+    for _ in range(60):
+        engine.step()
+    rid = engine.requests["a"].rid
+    sched, bt, kv = engine.scheduler, engine.bt, engine.runner.kv_cache
+    slot, depths = sched.kv_slot(rid), sched.depths(rid)
+    bs, checked = bt.block_size, 0
+
+    def phys(loop, pos):
+        return int(bt.tables[slot, loop, pos // bs]) * bs + pos % bs
+
+    # Only tokens whose exit was followed by a step have been propagated.
+    for pos in range(4, len(depths) - 2):
+        d = int(depths[pos])
+        assert 1 <= d <= 4
+        for t in range(d, 4):
+            assert torch.equal(kv[:, :, phys(t, pos)], kv[:, :, phys(d - 1, pos)])
+            checked += 1
+        if d >= 2:  # computed planes hold distinct K/V
+            assert not torch.equal(kv[:, :, phys(0, pos)], kv[:, :, phys(1, pos)])
+    assert checked > 0
+    engine.abort_request("a")
+    engine.step()
+    assert bt.num_free_blocks == bt.num_blocks
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_abort_frees_everything_and_spares_others(model_dir, when):
+    params = greedy(0.5, n=12)
+    solo = run(Engine(EngineConfig(model=model_dir)), [PROMPTS[0]], params)[0]
+    engine = Engine(EngineConfig(model=model_dir, max_num_batched_tokens=8))
+    engine.add_request("keep", PROMPTS[0], params)
+    engine.add_request("drop", list(range(1, 60)), params)
+    steps = 2 if when == "prefill" else 40
+    outs = [o for _ in range(steps) for o in engine.step()]
+    assert not any(o.finished and o.request_id == "drop" for o in outs)
+    if when == "decode":
+        assert any(o.request_id == "drop" and o.new_token_ids for o in outs)
+    engine.abort_request("drop")
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    finals = {o.request_id: o for o in outs if o.finished}
+    assert finals["drop"].finish_reason == "abort"
+    assert finals["keep"].request.output_ids == solo.output_ids
+    assert engine.bt.num_free_blocks == engine.bt.num_blocks
+    assert engine.num_running == engine.num_waiting == 0
+
+
+def test_abort_of_waiting_request(model_dir):
+    engine = Engine(EngineConfig(model=model_dir, max_num_seqs=1))
+    engine.add_request("a", PROMPTS[0], greedy(1.0, 4))
+    engine.add_request("b", PROMPTS[1], greedy(1.0, 4))
+    engine.step()
+    assert engine.num_waiting == 1
+    engine.abort_request("b")
+    assert engine.num_waiting == 0
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+    assert finished == {"a": "length", "b": "abort"}
+
+
+def test_seeded_sampling_is_reproducible_across_batches(model_dir):
+    sp = SamplingParams(
+        max_tokens=15, temperature=0.9, top_p=0.95, seed=1234, exit_threshold=0.5, ignore_eos=True
+    )
+    other = SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True)
+    alone = run(Engine(EngineConfig(model=model_dir)), [PROMPTS[2]], sp)[0].output_ids
+    mixed = run(
+        Engine(EngineConfig(model=model_dir, seed=7)), PROMPTS, [other, other, sp, other, other, other]
+    )
+    assert mixed[2].output_ids == alone
+    reseeded = SamplingParams(**{**sp.__dict__, "seed": 99})
+    assert run(Engine(EngineConfig(model=model_dir)), [PROMPTS[2]], reseeded)[0].output_ids != alone
+
+
+def test_finish_reasons_and_stop_conditions(model_dir):
+    engine = Engine(EngineConfig(model=model_dir))
+    free = run(engine, [PROMPTS[2]], greedy(1.0, 12))[0]
+    assert free.output_ids and len(free.output_ids) == 12
+    # A stop token id: generation ends on it; its text is not emitted.
+    stop_tok = free.output_ids[5]
+    first = free.output_ids.index(stop_tok)
+    sp = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok])
+    engine.add_request("s", PROMPTS[2], sp)
+    outs = [o for _ in range(200) for o in engine.step()]
+    final = [o for o in outs if o.finished][0]
+    assert final.finish_reason == "stop"
+    assert final.request.output_ids == free.output_ids[: first + 1]
+    assert final.request.text == engine.tokenizer.decode(free.output_ids[:first])
+    # A stop string spanning tokens is cut and never emitted.
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    if stop.strip() and "\ufffd" not in stop:
+        engine.add_request("t", PROMPTS[2], SamplingParams(max_tokens=12, temperature=0, stop=[stop]))
+        outs = [o for _ in range(200) for o in engine.step()]
+        streamed = "".join(o.text_delta for o in outs if o.request_id == "t")
+        fin = [o for o in outs if o.finished and o.request_id == "t"][0]
+        assert fin.finish_reason == "stop"
+        assert streamed == text[: text.index(stop)]
+    assert engine.bt.num_free_blocks == engine.bt.num_blocks
+
+
+def test_streamed_text_equals_full_decode(model_dir):
+    engine = Engine(EngineConfig(model=model_dir))
+    sp = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True, skip_special_tokens=False)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, sp)
+    texts, ids = {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            texts[o.request_id] = texts.get(o.request_id, "") + o.text_delta
+            if o.finished:
+                ids[o.request_id] = o.request.output_ids
+    for k, toks in ids.items():
+        assert texts[k] == engine.tokenizer.decode(toks, skip_special_tokens=False)
+
+
+def test_bad_requests_are_rejected_clearly(model_dir):
+    engine = Engine(EngineConfig(model=model_dir, max_model_len=64, num_kv_blocks=16))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", [], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("b", [5, 99999], SamplingParams())
+    with pytest.raises(ValueError, match="exceeds"):
+        engine.add_request("c", list(range(60)), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("d", [1, 2], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="min_loops"):
+        engine.add_request("e", [1, 2], SamplingParams(min_loops=5))
+    engine.add_request("f", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="in use"):
+        engine.add_request("f", [1, 2], SamplingParams(max_tokens=2))
+    # 16 blocks at 4 loops hold 64 tokens: a request fitting max_model_len but not the pool is refused.
+    small = Engine(EngineConfig(model=model_dir, num_kv_blocks=8))
+    with pytest.raises(ValueError, match="KV pool"):
+        small.add_request("g", list(range(30)), SamplingParams(max_tokens=10))
+
+
+def test_step_statistics(model_dir):
+    engine = Engine(EngineConfig(model=model_dir))
+    got = run(engine, PROMPTS, greedy(0.5, 10))
+    st = engine.stats
+    produced = sum(len(r.output_ids) for r in got)
+    assert st.total_exits == produced == sum(st.exit_depth_histogram)
+    hist = np.bincount([loop for r in got for loop in r.exit_loops], minlength=4).tolist()
+    assert st.exit_depth_histogram == hist
+    assert sum(st.total_rows_per_loop) >= produced
+    assert st.model_seconds > 0 and st.scheduler_seconds > 0
+
+
+def test_llm_facade(model_dir):
+    llm = LLM(model_dir)
+    outs = llm.generate(
+        ["Hello, world", [1, 2, 3]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    )
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert outs[0].text == llm.engine.tokenizer.decode(outs[0].token_ids)
+    assert len(outs[1].exit_loops) == 6
