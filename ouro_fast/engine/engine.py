@@ -291,6 +291,8 @@ class Engine:
     ) -> RequestOutput:
         self.scheduler.finish(req.rid)  # no-op when the scheduler already freed it (length cap)
         delta += self.detok.finish(req.rid)
+        if reason == "length" and self.detok.stopped(req.rid):
+            reason = "stop"  # the final flush revealed a stop string
         self.detok.remove(req.rid)
         req.text += delta
         del self.requests[req.request_id]
