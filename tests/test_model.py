@@ -176,3 +176,14 @@ def test_reference_generation_exits_and_propagates():
     e = gen.exit_loops[-1]
     for t in range(e + 1, 4):
         assert torch.equal(ref.k[t, :, pos], ref.k[e, :, pos])
+
+
+def test_fused_weights_give_the_same_loop():
+    model = make_model()
+    ids = [1, 2, 3, 4, 5, 6]
+    with torch.no_grad():
+        before, _ = run_prefill(model, ids, 4)
+        model.fuse()
+        after, _ = run_prefill(model, ids, 4)
+    assert not hasattr(model.model.layers[0].self_attn, "q_proj")
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)

@@ -57,12 +57,23 @@ class OuroAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): one matmul instead of three
+
+    def fuse(self) -> None:
+        """Replace q/k/v projections by one concatenated weight (same results, fewer kernels)."""
+        self.qkv_weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)).detach()
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, attn, layer_idx: int) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        hq, hkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight).split((hq, hkv, hkv), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
@@ -75,9 +86,18 @@ class OuroMLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_weight = torch.cat((self.gate_proj.weight, self.up_proj.weight)).detach()
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class OuroDecoderLayer(nn.Module):
@@ -117,6 +137,12 @@ class OuroForCausalLM(nn.Module):
         self.model = OuroModel(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def fuse(self) -> None:
+        """Concatenate each layer's q/k/v and gate/up weights (after loading; names then differ)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)
