@@ -1,0 +1,277 @@
+"""EngineClient: the event loop's side of the engine owner.
+
+It is the ring's single producer: admission (the in-flight bound, the ring's
+capacity), SUBMIT and ABORT records, and the routing of each step's outputs to
+per-request bounded queues all happen on the event loop thread. Nothing here
+waits on model work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+
+from ..core.ring import RequestRing
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .owner import ABORT, ABORT_ALL, SUBMIT, EngineOwner, EngineSnapshot, ReadyInfo, Rejected, parse_faults
+from .protocol import ApiError, ModelInfo
+
+logger = logging.getLogger("ouro_fast.server")
+
+# Prompts longer than this (characters) are tokenized off the event loop.
+_INLINE_TOKENIZE_CHARS = 16_384
+_REJECTION_REASONS = {400: "invalid", 429: "overload", 500: "error", 503: "unavailable"}
+_ABORT_RETRY_S = 0.002
+
+
+class RequestHandle:
+    """One admitted request, as its HTTP handler sees it."""
+
+    def __init__(self, key: int, buffer: int, transport):
+        self.key = key
+        self.request_id = str(key)
+        self.queue: asyncio.Queue = asyncio.Queue(buffer)
+        self.transport = transport
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.finished = False  # its final output (or rejection) has arrived
+        self.abort_sent = False
+        self.released = False  # the handler is gone; the handle waits for its final
+        self.dropped = False  # aborted for falling behind
+
+    async def next(self) -> list:
+        """Every output queued now, in order (at least one: waits for it)."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+
+class EngineClient:
+    """Starts the owner thread and mediates every exchange with it."""
+
+    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, on_failure=None):
+        self.config = config
+        self.loop = loop
+        self.on_failure = on_failure
+        self.ring = RequestRing(config.ring_capacity)
+        self.payloads: dict[int, tuple] = {}
+        self.handles: dict[str, RequestHandle] = {}
+        self.metrics = ServerMetrics(config.model_names[0])
+        self.info: ModelInfo | None = None
+        self.tokenizer = None
+        self.state = "loading"  # loading -> ready -> stopping; or failed
+        self.error: str | None = None
+        self.launch_epoch: float | None = None
+        self._next_key = 1
+        self._backlog: deque[tuple[int, int]] = deque()  # ABORT records that found the ring full
+        self._retry: asyncio.TimerHandle | None = None
+        self.owner = EngineOwner(
+            config.engine_options(),
+            self.ring,
+            self.payloads,
+            post=self._post_threadsafe,
+            on_ready=self._ready_threadsafe,
+            faults=parse_faults(config.test_faults),
+        )
+
+    def start(self, launch_epoch: float) -> None:
+        self.launch_epoch = launch_epoch
+        self.owner.start()
+
+    # ---- readiness ----------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "ready" and self.metrics.engine.broken is None
+
+    def status(self) -> str:
+        if self.state == "ready" and self.metrics.engine.broken is not None:
+            return "out of service: " + self.metrics.engine.broken
+        return self.state if self.error is None else f"{self.state}: {self.error}"
+
+    def require_ready(self) -> ModelInfo:
+        """The model info, or a 503 while loading, after a failure and during shutdown."""
+        if not self.healthy:
+            raise ApiError(503, f"the server is not ready ({self.status()})", code="not_ready", retry_after=1)
+        return self.info
+
+    def _ready_threadsafe(self, info: ReadyInfo | None, error: str | None) -> None:
+        # The loop may already be closed when a shutdown overtook a slow model load.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._ready, info, error)
+
+    def _ready(self, info: ReadyInfo | None, error: str | None) -> None:
+        if info is None:
+            self.state, self.error = "failed", error
+            logger.error("the engine failed to start: %s", error)
+            if self.on_failure is not None:
+                self.on_failure()
+            return
+        self.info = ModelInfo(
+            names=self.config.model_names,
+            root=info.model_dir,
+            max_model_len=info.max_model_len,
+            max_request_tokens=info.max_request_tokens,
+            vocab_limit=info.vocab_limit,
+            num_loops=info.num_loops,
+        )
+        self.tokenizer = info.tokenizer
+        if self.state == "loading":
+            self.state = "ready"
+        self.metrics.ready = True
+        logger.info(
+            "model prepared in %.2fs (engine build %.2fs, first inference %.2fs); "
+            "process start to ready %.2fs; serving %s from %s, %d KV blocks, max_model_len %d",
+            info.load_seconds + info.warmup_seconds, info.load_seconds, info.warmup_seconds,
+            time.time() - self.launch_epoch, ", ".join(self.config.model_names), info.model_dir,
+            info.num_kv_blocks, info.max_model_len,
+        )  # fmt: skip
+
+    # ---- requests -----------------------------------------------------------------
+
+    async def encode(self, text: str) -> list[int]:
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text)
+        return await self.loop.run_in_executor(None, self.tokenizer.encode, text)
+
+    def submit(self, prompt_ids: list[int], params, transport) -> RequestHandle:
+        """Admit a request (429 when full, 503 when not serving); its outputs arrive on the handle."""
+        self.require_ready()
+        if len(self.handles) >= self.config.max_in_flight:
+            self.metrics.rejected["overload"] += 1
+            raise ApiError(429, f"the server is full ({len(self.handles)} requests in flight); retry later",
+                           code="server_overloaded", retry_after=1)  # fmt: skip
+        key, self._next_key = self._next_key, self._next_key + 1
+        # The payload is in place before the push: the ring's release/acquire publishes it.
+        self.payloads[key] = (prompt_ids, params)
+        if not self.ring.push(SUBMIT, key):
+            del self.payloads[key]
+            self.metrics.rejected["overload"] += 1
+            raise ApiError(
+                429, "the request ring is full; retry later", code="server_overloaded", retry_after=1
+            )
+        handle = RequestHandle(key, self.config.stream_buffer, transport)
+        self.handles[handle.request_id] = handle
+        self.metrics.in_flight = len(self.handles)
+        self.owner.wake()
+        return handle
+
+    def abort(self, handle: RequestHandle, reason: str) -> None:
+        """Tell the engine to drop a request whose client is gone (idempotent; no-op once finished)."""
+        if handle.finished or handle.abort_sent:
+            return
+        handle.abort_sent = True
+        self.metrics.aborted[reason] += 1
+        self._push(ABORT, handle.key)
+
+    def release(self, handle: RequestHandle) -> None:
+        """The handler is done with handle; it stays counted until the engine has let it go."""
+        handle.released = True
+        if handle.finished:
+            self._forget(handle)
+
+    def _forget(self, handle: RequestHandle) -> None:
+        self.handles.pop(handle.request_id, None)
+        self.metrics.in_flight = len(self.handles)
+
+    def _push(self, op: int, key: int) -> None:
+        """Push a control record; a full ring keeps it in a backlog retried shortly, in order."""
+        if self._backlog or not self.ring.push(op, key):
+            self._backlog.append((op, key))
+            self._schedule_retry()
+        self.owner.wake()
+
+    def _schedule_retry(self) -> None:
+        if self._retry is None:
+            self._retry = self.loop.call_later(_ABORT_RETRY_S, self._flush_backlog)
+
+    def _flush_backlog(self) -> None:
+        self._retry = None
+        while self._backlog and self.ring.push(*self._backlog[0]):
+            self._backlog.popleft()
+        if self._backlog:
+            self._schedule_retry()
+        self.owner.wake()
+
+    # ---- outputs ------------------------------------------------------------------
+
+    def _post_threadsafe(self, batch: list, snapshot: EngineSnapshot) -> None:
+        # A closed loop (late in shutdown) has nobody left to read these.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._dispatch, batch, snapshot)
+
+    def _dispatch(self, batch: list, snapshot: EngineSnapshot) -> None:
+        """Route one step's outputs to their requests' queues (runs on the loop)."""
+        self.metrics.engine = snapshot
+        self.metrics.output_batches += 1
+        now = time.monotonic()
+        for out in batch:
+            handle = self.handles.get(out.request_id)
+            if handle is None:
+                continue
+            if isinstance(out, Rejected):
+                handle.finished = True
+                self.metrics.rejected[_REJECTION_REASONS.get(out.status, "error")] += 1
+            else:
+                self._account(handle, out, now)
+            try:
+                handle.queue.put_nowait(out)
+            except asyncio.QueueFull:
+                self._drop(handle)
+            if handle.finished and handle.released:
+                self._forget(handle)
+
+    def _account(self, handle: RequestHandle, out, now: float) -> None:
+        n = len(out.new_token_ids)
+        self.metrics.generation_tokens += n
+        if n and handle.first_token_at is None:
+            handle.first_token_at = now
+            self.metrics.first_token(now - handle.arrival)
+        if out.finished:
+            handle.finished = True
+            decode = None if handle.first_token_at is None else now - handle.first_token_at
+            done = self.metrics.request_done
+            done(out.finish_reason, out.prompt_tokens, out.completion_tokens, now - handle.arrival, decode)
+
+    def _drop(self, handle: RequestHandle) -> None:
+        """A client that stopped reading: abort its request and cut its connection at once."""
+        if handle.dropped:
+            return
+        handle.dropped = True
+        logger.warning(
+            "request %s: the client fell %d steps behind; aborting it", handle.key, handle.queue.maxsize
+        )
+        self.abort(handle, "slow_client")
+        if handle.transport is not None:
+            # abort(), not close(): close() would wait for the client to read what is buffered.
+            handle.transport.abort()
+
+    # ---- shutdown -----------------------------------------------------------------
+
+    async def shutdown(self, grace: float, join_timeout: float = 30.0) -> None:
+        """Stop admitting; let requests finish for `grace` seconds; abort the rest; join the owner."""
+        if self.state in ("loading", "ready"):
+            self.state = "stopping"
+        deadline = self.loop.time() + grace
+        while self.handles and self.loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.handles:
+            logger.info("shutdown: aborting %d requests still in flight", len(self.handles))
+            self.metrics.aborted["shutdown"] += len(self.handles)
+            self._push(ABORT_ALL, 0)
+            deadline = self.loop.time() + 5.0
+            while any(not h.released for h in self.handles.values()) and self.loop.time() < deadline:
+                await asyncio.sleep(0.02)
+        self.owner.stop()
+        deadline = self.loop.time() + join_timeout
+        while not self.owner.join(0) and self.loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.owner.join(0):
+            logger.info("shutdown: the engine owner thread has ended")
+        else:
+            logger.error("shutdown: the engine owner thread did not end within %.0fs", join_timeout)

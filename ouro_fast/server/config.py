@@ -1,0 +1,113 @@
+"""ServerConfig: every server setting, read from OURO_FAST_* environment variables.
+
+`sanic ouro_fast.server:app` reads them when the worker starts (never at import),
+and `ouro-fast serve` writes its command-line options into the same variables,
+so both ways of launching are configured identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+ENV_PREFIX = "OURO_FAST_"
+# The name the embedded default model (random weights) is served under.
+DEFAULT_MODEL_NAME = "ouro-tiny-random"
+
+
+class ConfigError(ValueError):
+    """An environment variable that does not parse, named in the message."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server settings; field `x` comes from the variable OURO_FAST_<X upper-cased>."""
+
+    model: str | None = None  # a checkpoint directory; None serves the embedded default
+    served_model_name: tuple[str, ...] = ()  # names a request's "model" may use; default: model as given
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 1024  # requests admitted beyond the running ones; more get 429
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    seed: int = 0
+    api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
+    max_body_bytes: int = 8 << 20
+    stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
+    ring_capacity: int = 4096
+    shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM before abort
+    response_timeout: float = 3600.0  # Sanic's RESPONSE_TIMEOUT: silence allowed while queued
+    log_level: str = "INFO"  # of the ouro_fast loggers
+    # Test-only fault injection, "SEED@TOKENS,...": see owner.parse_faults.
+    test_faults: str = field(default="", repr=False)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Served names, the first being the one /v1/models lists first and responses carry."""
+        if self.served_model_name:
+            return self.served_model_name
+        return (self.model or DEFAULT_MODEL_NAME,)
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests admitted at once (running + waiting): the engine scheduler's capacity."""
+        return self.max_num_seqs + self.max_waiting
+
+    def engine_options(self) -> dict:
+        """Keyword arguments of ouro_fast.engine.engine.EngineConfig."""
+        names = (
+            "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
+            "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed",
+        )  # fmt: skip
+        return {name: getattr(self, name) for name in names}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerConfig:
+        """Settings from OURO_FAST_* variables (unset or empty: the default); ConfigError if one is bad."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(env_name(f.name), "").strip()
+            if raw:
+                values[f.name] = _parse(f.name, f.type, raw)
+        config = cls(**values)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        """ConfigError naming the first setting out of range."""
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_body_bytes", "stream_buffer")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{env_name(name)} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ConfigError(f"{env_name('max_waiting')} must be >= 0, got {self.max_waiting}")
+        if not 2 <= self.ring_capacity <= 1 << 30:
+            raise ConfigError(f"{env_name('ring_capacity')} must be in [2, 2**30], got {self.ring_capacity}")
+        if self.shutdown_grace < 0 or self.response_timeout <= 0:
+            raise ConfigError(
+                f"{env_name('shutdown_grace')} must be >= 0 and {env_name('response_timeout')} > 0"
+            )
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _parse(name: str, type_name: str, raw: str):
+    try:
+        if "tuple" in type_name:
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if "int" in type_name:
+            return int(raw)
+        if "float" in type_name:
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{env_name(name)}={raw!r} is not a valid {type_name}") from None
+    return raw

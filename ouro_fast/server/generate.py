@@ -1,0 +1,115 @@
+"""Serving one completion or chat request: tokenize, submit, then stream or collect the outputs.
+
+A request that fails before any output (rejected by the engine, or ended by an
+engine failure or shutdown) is answered with an HTTP error status; a stream that
+fails after its first chunk gets an error event and is cut (no `[DONE]`), so
+clients count it as failed. A client that disconnects has its request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from sanic.response import HTTPResponse
+
+from . import protocol, stream
+from .client import EngineClient, RequestHandle
+from .owner import Rejected
+from .protocol import ApiError, GenerateRequest
+
+
+async def serve(request, client: EngineClient, req: GenerateRequest) -> HTTPResponse | None:
+    info = client.require_ready()
+    prompt_ids = req.prompt if isinstance(req.prompt, list) else await client.encode(req.prompt)
+    params = protocol.sampling_params(req, len(prompt_ids), info)
+    rid = protocol.request_id(request.headers.get("x-request-id"), req.chat)
+    handle = client.submit(prompt_ids, params, request.transport)
+    try:
+        if req.stream:
+            return await _stream(request, handle, req, rid)
+        return await _collect(handle, req, rid)
+    except asyncio.CancelledError:
+        client.abort(handle, "disconnect")
+        raise
+    finally:
+        client.release(handle)
+
+
+def json_response(body: dict, status: int = 200, headers: dict | None = None) -> HTTPResponse:
+    return HTTPResponse(protocol.dumps(body), status=status, headers=headers, content_type="application/json")
+
+
+def _failure(outs: list, sent_tokens: bool) -> ApiError | None:
+    """The HTTP error to answer with, when outs end the request before it produced anything."""
+    first = outs[0]
+    if isinstance(first, Rejected):
+        retry = 1 if first.status in (429, 503) else None
+        return ApiError(first.status, first.message, retry_after=retry)
+    if sent_tokens or any(o.new_token_ids for o in outs):
+        return None
+    final = outs[-1]
+    if final.finish_reason == "error":
+        return ApiError(500, final.error or "the engine failed", code="engine_error")
+    if final.finish_reason == "abort":
+        return ApiError(503, final.error or "the request was aborted", code="aborted", retry_after=1)
+    return None
+
+
+def _merge(outs: list) -> tuple[str, int, object]:
+    """(text, new token count, the final output or None) of consecutive outputs of one request."""
+    text = "".join(o.text_delta for o in outs)
+    final = outs[-1] if outs[-1].finished else None
+    return text, sum(len(o.new_token_ids) for o in outs), final
+
+
+async def _collect(handle: RequestHandle, req: GenerateRequest, rid: str) -> HTTPResponse:
+    created = int(time.time())
+    parts: list[str] = []
+    tokens = 0
+    while True:
+        outs = await handle.next()
+        error = _failure(outs, tokens > 0)
+        if error is not None:
+            raise error
+        text, n, final = _merge(outs)
+        parts.append(text)
+        tokens += n
+        if final is not None:
+            break
+    if final.finish_reason == "error":
+        raise ApiError(500, final.error or "the engine failed", code="engine_error")
+    body = protocol.completion_response(rid, created, req, "".join(parts), final.finish_reason,
+                                        final.prompt_tokens, final.completion_tokens)  # fmt: skip
+    return json_response(body)
+
+
+async def _stream(request, handle: RequestHandle, req: GenerateRequest, rid: str) -> None:
+    created = int(time.time())
+    outs = await handle.next()
+    # Errors before the first token are real HTTP errors: the response has not started.
+    error = _failure(outs, False)
+    if error is not None:
+        raise error
+    resp = await request.respond(content_type=stream.CONTENT_TYPE, headers=stream.HEADERS)
+    first = True
+    while True:
+        text, n, final = _merge(outs)
+        if final is not None and final.finish_reason == "error":
+            err = ApiError(500, final.error or "the engine failed", code="engine_error")
+            await resp.send(stream.event(err.body()))
+            # Cut the connection (no terminating chunk): clients must see this request as failed.
+            request.transport.close()
+            return
+        if n or text or final is not None:
+            chunk = protocol.stream_chunk(rid, created, req, text, final and final.finish_reason, first)
+            await resp.send(stream.event(chunk))
+            first = False
+        if final is not None:
+            break
+        outs = await handle.next()
+    if req.include_usage:
+        await resp.send(stream.event(protocol.usage_chunk(rid, created, req, final.prompt_tokens,
+                                                          final.completion_tokens)))  # fmt: skip
+    await resp.send(stream.DONE)
+    await resp.eof()

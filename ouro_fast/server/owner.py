@@ -1,0 +1,294 @@
+"""EngineOwner: the one thread that builds and drives the Engine.
+
+It alone calls add_request / abort_request / step / abort_all. Work reaches it
+through the RequestRing (records of op and int key; the payload of a SUBMIT sits
+in a shared dict, filled before the push). It sleeps on a threading.Event while
+the engine is idle and the ring is empty, and posts all outputs of one loop
+iteration (one engine step plus the rejections of newly drained submissions)
+back with a single call to `post`, so the event loop wakes once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("ouro_fast.server")
+
+SUBMIT, ABORT, ABORT_ALL = 1, 2, 3
+# Rows-per-step histogram bucket bounds (the last bucket is +Inf).
+STEP_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+WARMUP_ID = "ouro-fast-warmup"
+_DRAIN_BATCH = 1024
+
+
+@dataclass
+class Rejected:
+    """A submission the engine refused: answered with HTTP `status` before any response starts."""
+
+    request_id: str
+    status: int  # 400 (bad request), 429 (scheduler full), 503 (engine broken), 500
+    message: str
+
+
+@dataclass
+class ReadyInfo:
+    """The served model's fixed facts, reported once when the first inference succeeded."""
+
+    model_dir: str
+    max_model_len: int
+    max_request_tokens: int
+    vocab_limit: int
+    num_loops: int
+    num_kv_blocks: int
+    load_seconds: float
+    warmup_seconds: float
+    tokenizer: object  # an OuroTokenizer of the event loop's own, not shared with the engine
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine figures after one loop iteration of the owner (running totals are cumulative)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    steps: int = 0
+    step_failures: int = 0
+    refills: int = 0
+    preemptions: int = 0
+    rows_per_loop: list[int] = field(default_factory=list)  # rows run at loop t, summed over steps
+    exit_depth: list[int] = field(default_factory=list)  # tokens by loops run (1..T)
+    step_rows: list[int] = field(default_factory=list)  # steps per STEP_ROW_BUCKETS bucket (+Inf last)
+    rows_total: int = 0  # rows over all steps
+    wakeups: int = 0  # owner loop iterations: stays put while idle (the owner sleeps, never spins)
+    broken: str | None = None  # why the engine stopped serving, when it did
+
+
+def parse_faults(spec: str) -> dict[int, int]:
+    """TEST-ONLY fault injection, OURO_FAST_TEST_FAULTS="SEED@TOKENS,...".
+
+    A request whose sampling seed is SEED makes the engine step raise once it has
+    received TOKENS tokens (0: at its first step), exactly as a failure inside
+    Engine.step() would. Never set it in production.
+    """
+    faults = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        seed, _, tokens = part.partition("@")
+        try:
+            faults[int(seed)] = int(tokens or 0)
+        except ValueError:
+            raise ValueError(f"OURO_FAST_TEST_FAULTS: {part!r} is not SEED@TOKENS") from None
+    return faults
+
+
+class InjectedFault(RuntimeError):
+    """Raised in place of an engine step by the test-only fault hook."""
+
+
+class EngineOwner:
+    """Builds the Engine in its own thread, then serves the ring until stop().
+
+    `post(outputs, snapshot)` and `on_ready(info, error)` are called from the owner
+    thread and must be thread-safe (the server passes loop.call_soon_threadsafe wrappers).
+    """
+
+    def __init__(
+        self,
+        engine_options: dict,
+        ring,
+        payloads: dict,
+        post: Callable[[list, EngineSnapshot], None],
+        on_ready: Callable[[ReadyInfo | None, str | None], None],
+        faults: dict[int, int] | None = None,
+    ):
+        self.engine_options = engine_options
+        self.ring = ring
+        self.payloads = payloads
+        self.post = post
+        self.on_ready = on_ready
+        self.faults = faults or {}
+        self.engine = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ouro-engine-owner", daemon=True)
+        self._live: dict[str, int] = {}  # request id -> prompt tokens
+        self._armed: dict[str, list[int]] = {}  # request id -> [fault threshold, tokens so far]
+        self._step_rows = [0] * (len(STEP_ROW_BUCKETS) + 1)
+        self._steps = self._failures = self._rows_total = self._wakeups = 0
+        self._broken: str | None = None
+
+    # ---- called from the event loop thread ----------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Called after every push: the owner may be asleep."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Ask the thread to end (after aborting whatever is still in flight)."""
+        self._stopping = True
+        self._wake.set()
+
+    def join(self, timeout: float) -> bool:
+        """True when the thread has ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- the owner thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            info = self._build()
+        except BaseException as e:
+            logger.exception("the engine could not be prepared")
+            self.on_ready(None, f"{type(e).__name__}: {e}")
+            return
+        self.on_ready(info, None)
+        self._post([])
+        while True:
+            self._wakeups += 1
+            # Cleared before draining: a push after the drain sets it again, so the wait returns.
+            self._wake.clear()
+            batch = self._drain()
+            if self._stopping:
+                self._finish(batch)
+                return
+            idle = self._broken is not None or not self.engine.has_unfinished_requests()
+            if not idle:
+                batch += self._step()
+            if batch:
+                self._post(batch)
+            elif idle and not len(self.ring):
+                self._wake.wait()
+
+    def _build(self) -> ReadyInfo:
+        from ..engine.engine import Engine, EngineConfig
+        from ..engine.sampling import SamplingParams
+        from ..model.tokenizer import OuroTokenizer
+
+        t0 = time.monotonic()
+        eng = self.engine = Engine(EngineConfig(**self.engine_options))
+        load = time.monotonic() - t0
+        prompt = eng.tokenizer.encode("Hello") or [0]
+        eng.add_request(WARMUP_ID, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        final = None
+        for _ in range(100_000):
+            final = next((o for o in eng.step() if o.finished), None)
+            if final is not None:
+                break
+        if final is None or final.finish_reason != "length" or final.completion_tokens != 1:
+            raise RuntimeError(f"the first inference did not produce one token: {final}")
+        return ReadyInfo(
+            model_dir=str(eng.model_dir), max_model_len=eng.max_model_len,
+            max_request_tokens=eng.max_request_tokens, vocab_limit=eng.vocab_limit, num_loops=eng.num_loops,
+            num_kv_blocks=eng.bt.num_blocks, load_seconds=load, warmup_seconds=time.monotonic() - t0 - load,
+            tokenizer=OuroTokenizer.from_dir(eng.model_dir),
+        )  # fmt: skip
+
+    def _drain(self) -> list:
+        """Apply every queued record; returns the outputs they produced (rejections, aborts)."""
+        out: list = []
+        while records := self.ring.pop_many(_DRAIN_BATCH):
+            for op, key in records:
+                if op == SUBMIT:
+                    rejected = self._submit(str(key), self.payloads.pop(key))
+                    if rejected is not None:
+                        out.append(rejected)
+                elif op == ABORT:
+                    self.engine.abort_request(str(key))
+                elif op == ABORT_ALL:
+                    out += self._abort_all("abort", "the server is shutting down")
+        return out
+
+    def _submit(self, rid: str, payload: tuple) -> Rejected | None:
+        prompt_ids, params = payload
+        if self._broken is not None:
+            return Rejected(rid, 503, f"the engine is out of service: {self._broken}")
+        try:
+            self.engine.add_request(rid, prompt_ids, params)
+        except ValueError as e:
+            return Rejected(rid, 400, str(e))
+        except OverflowError as e:
+            return Rejected(rid, 429, f"the scheduler is full: {e}")
+        except Exception as e:
+            logger.exception("add_request failed")
+            return Rejected(rid, 500, f"the engine could not accept the request: {e}")
+        self._live[rid] = len(prompt_ids)
+        if params.seed in self.faults:
+            self._armed[rid] = [self.faults[params.seed], 0]
+        return None
+
+    def _step(self) -> list:
+        steps_before = self.engine.stats.steps
+        try:
+            self._inject_fault()
+            outs = self.engine.step()
+        except Exception as e:
+            self._failures += 1
+            logger.exception("an engine step failed: ending every request in flight")
+            return self._track(self._abort_all("error", f"the engine step failed: {type(e).__name__}: {e}"))
+        if self.engine.stats.steps != steps_before:
+            self._steps += 1
+            rows = self.engine.stats.rows
+            self._rows_total += rows
+            self._step_rows[next((i for i, b in enumerate(STEP_ROW_BUCKETS) if rows <= b), -1)] += 1
+        return self._track(outs)
+
+    def _inject_fault(self) -> None:
+        for rid, (threshold, tokens) in self._armed.items():
+            if tokens >= threshold:
+                del self._armed[rid]
+                raise InjectedFault(f"injected test fault for request {rid} (OURO_FAST_TEST_FAULTS)")
+
+    def _track(self, outs: list) -> list:
+        for out in outs:
+            if out.finished:
+                self._live.pop(out.request_id, None)
+                self._armed.pop(out.request_id, None)
+            elif out.request_id in self._armed:
+                self._armed[out.request_id][1] += len(out.new_token_ids)
+        return outs
+
+    def _abort_all(self, reason: str, error: str) -> list:
+        """End every request; if the engine cannot even do that, it goes out of service."""
+        try:
+            outs = self.engine.abort_all(reason, error)
+        except Exception as e:
+            logger.exception("abort_all failed: the engine is out of service")
+            self._broken = f"{type(e).__name__}: {e}"
+            outs = [_error_final(rid, n, self._broken) for rid, n in self._live.items()]
+        self._live.clear()
+        self._armed.clear()
+        return outs
+
+    def _finish(self, batch: list) -> None:
+        if self._broken is None and self.engine.has_unfinished_requests():
+            batch += self._abort_all("abort", "the server is shutting down")
+        if batch:
+            self._post(batch)
+
+    def _post(self, batch: list) -> None:
+        eng, stats = self.engine, self.engine.stats
+        snap = EngineSnapshot(
+            running=eng.num_running, waiting=eng.num_waiting,
+            kv_blocks_used=eng.bt.num_blocks - eng.bt.num_free_blocks, kv_blocks_total=eng.bt.num_blocks,
+            steps=self._steps, step_failures=self._failures,
+            refills=stats.total_refills, preemptions=stats.total_preemptions,
+            rows_per_loop=list(stats.total_rows_per_loop), exit_depth=list(stats.exit_depth_histogram),
+            step_rows=list(self._step_rows), rows_total=self._rows_total, wakeups=self._wakeups,
+            broken=self._broken,
+        )  # fmt: skip
+        self.post(batch, snap)
+
+
+def _error_final(rid: str, prompt_tokens: int, error: str):
+    from ..engine.outputs import RequestOutput
+
+    return RequestOutput(rid, [], "", True, "error", prompt_tokens, 0, [], error)

@@ -1,0 +1,63 @@
+"""SIGTERM with open streams, on `sanic ouro_fast.server:app` in its default mode (a main process
+and one worker): admission stops, a short request finishes, a long one is aborted at the end of
+the grace period with a clean end of stream, the owner thread is joined and the process exits 0."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.server_helpers import ServerProcess, bench_stream
+
+GRACE_S = 4.0
+MODEL = "ouro-tiny-random"
+
+
+def test_sigterm_with_open_streams():
+    srv = ServerProcess(
+        "multi", {"OURO_FAST_SHUTDOWN_GRACE": str(GRACE_S), "OURO_FAST_NUM_KV_BLOCKS": "1024"}
+    )
+    try:
+        srv.wait_ready()
+        url = srv.url + "/v1/completions"
+        results = {}
+
+        def run(name: str, max_tokens: int) -> None:
+            body = {"model": MODEL, "prompt": name, "max_tokens": max_tokens, "ignore_eos": True}
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            results[name] = bench_stream(url, body)
+
+        threads = [threading.Thread(target=run, args=a) for a in (("long", 2000), ("short", 40))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while srv.metrics()["ouro_fast:requests_in_flight"] < 2:  # both admitted: signal at once
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        srv.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        # While in-flight requests drain (the listener is still open), new ones are refused.
+        time.sleep(0.3)
+        r = httpx.post(url, json={"model": MODEL, "prompt": "late", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+        assert httpx.get(srv.url + "/health").status_code == 503
+        for t in threads:
+            t.join(60)
+        assert srv.proc.wait(60) == 0
+        elapsed = time.monotonic() - t0
+    finally:
+        srv.stop()
+    short, long = results["short"], results["long"]
+    assert short.done and short.text_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert short.usage["completion_tokens"] == 40
+    # The long one is cut at the grace deadline, but its stream still ends properly.
+    assert long.done and long.error is None
+    assert long.text_chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert 0 < long.usage["completion_tokens"] < 2000
+    assert GRACE_S <= elapsed < GRACE_S + 20
+    log = srv.log()
+    assert "aborting 1 requests still in flight" in log and "the engine owner thread has ended" in log
+    assert "Traceback" not in log

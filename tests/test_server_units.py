@@ -1,0 +1,197 @@
+"""The server's pieces without a server: configuration, validation, SSE framing, metrics text,
+and the event-loop side of the ring (admission, routing, slow-client drop, abort backlog)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ouro_fast.engine.outputs import RequestOutput
+from ouro_fast.server import protocol, stream
+from ouro_fast.server.client import EngineClient
+from ouro_fast.server.config import ConfigError, ServerConfig
+from ouro_fast.server.metrics import ServerMetrics
+from ouro_fast.server.owner import ABORT, SUBMIT, EngineSnapshot, parse_faults
+from ouro_fast.server.protocol import ApiError, ModelInfo
+from tests.server_helpers import parse_metrics
+
+INFO = ModelInfo(names=("m", "alias"), root="/x", max_model_len=64, max_request_tokens=48, vocab_limit=100,
+                 num_loops=4)  # fmt: skip
+
+
+def test_config_from_env():
+    env = {"OURO_FAST_MAX_NUM_SEQS": "3", "OURO_FAST_SHUTDOWN_GRACE": "0.5", "OURO_FAST_MODEL": "",
+           "OURO_FAST_SERVED_MODEL_NAME": "a, b,", "OURO_FAST_API_KEY": "k"}  # fmt: skip
+    c = ServerConfig.from_env(env)
+    assert (c.max_num_seqs, c.shutdown_grace, c.model, c.api_key) == (3, 0.5, None, "k")
+    assert c.model_names == ("a", "b") and c.max_in_flight == 3 + 1024
+    assert ServerConfig.from_env({}).model_names == ("ouro-tiny-random",)
+    assert ServerConfig.from_env({"OURO_FAST_MODEL": "/ckpt"}).model_names == ("/ckpt",)
+    assert c.engine_options()["max_num_seqs"] == 3 and "api_key" not in c.engine_options()
+    with pytest.raises(ConfigError, match="OURO_FAST_MAX_WAITING"):
+        ServerConfig.from_env({"OURO_FAST_MAX_WAITING": "many"})
+    with pytest.raises(ConfigError, match="OURO_FAST_STREAM_BUFFER"):
+        ServerConfig.from_env({"OURO_FAST_STREAM_BUFFER": "0"})
+
+
+def test_parse_faults():
+    assert parse_faults("") == {}
+    assert parse_faults("7@0, 8@3") == {7: 0, 8: 3}
+    with pytest.raises(ValueError, match="SEED@TOKENS"):
+        parse_faults("x@1")
+
+
+def test_completion_defaults_and_neutral_fields():
+    body = {"model": "alias", "prompt": ["hi"], "repetition_penalty": 1.0, "logprobs": None, "n": 1,
+            "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False, "best_of": 1, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "stop": "x",
+            "user": "u"}  # fmt: skip
+    req = protocol.parse_completion(body, INFO)
+    assert (req.model, req.prompt, req.max_tokens, req.stream, req.include_usage) == (
+        "alias",
+        "hi",
+        16,
+        True,
+        True,
+    )
+    assert req.options == {"ignore_eos": True, "stop": ["x"]}
+    req = protocol.parse_completion({"prompt": [[1, 2]], "exit_threshold": 0.5, "max_loops": 2}, INFO)
+    assert (req.model, req.prompt, req.stream, req.include_usage) == ("m", [1, 2], False, False)
+    params = protocol.sampling_params(req, 2, INFO)
+    assert (params.max_tokens, params.exit_threshold, params.max_loops) == (16, 0.5, 2)
+
+
+def test_length_and_chat_limits():
+    req = protocol.parse_completion({"prompt": "x", "max_tokens": 40}, INFO)
+    assert protocol.sampling_params(req, 8, INFO).max_tokens == 40
+    with pytest.raises(ApiError) as e:
+        protocol.sampling_params(req, 9, INFO)  # 9 + 40 > 48
+    assert e.value.status == 400 and e.value.param == "max_tokens"
+    chat = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}]}, INFO, lambda m, g=True: "T")
+    assert chat.prompt == "T" and chat.max_tokens is None
+    assert protocol.sampling_params(chat, 10, INFO).max_tokens == 38  # the room the context leaves
+    both = {"messages": [], "max_tokens": 5, "max_completion_tokens": 7}
+    assert protocol.parse_chat(both, INFO, lambda m, g=True: "T").max_tokens == 7
+
+
+def test_request_id_echo():
+    assert protocol.request_id("bench-1", False) == "cmpl-bench-1"
+    assert protocol.request_id("x", True) == "chatcmpl-x"
+    for bad in (None, "", "a\nb", "é", "x" * 5000):
+        rid = protocol.request_id(bad, False)
+        assert rid.startswith("cmpl-") and len(rid) == 37
+
+
+def test_sse_event_is_ascii_framed():
+    ev = stream.event({"text": "你好 👋"})
+    assert ev == b'data: {"text":"\\u4f60\\u597d \\ud83d\\udc4b"}\n\n'
+    assert stream.DONE == b"data: [DONE]\n\n"
+
+
+def test_metrics_text():
+    m = ServerMetrics('quote"d')
+    m.first_token(0.03)
+    m.first_token(100.0)
+    m.request_done("length", 5, 3, 1.0, 0.2)
+    m.aborted["slow_client"] += 1
+    m.engine = EngineSnapshot(kv_blocks_used=3, kv_blocks_total=12, exit_depth=[1, 0, 2, 5],
+                              step_rows=[4, 1] + [0] * 9, rows_total=6)  # fmt: skip
+    text = m.render()
+    assert 'model_name="quote\\"d"' in text
+    v = parse_metrics(text)
+    assert v["vllm:kv_cache_usage_perc"] == 0.25 and v["vllm:prompt_tokens_total"] == 5
+    assert v['vllm:time_to_first_token_seconds_bucket{le="0.02"}'] == 0
+    assert v['vllm:time_to_first_token_seconds_bucket{le="0.04"}'] == 1
+    assert (
+        v['vllm:time_to_first_token_seconds_bucket{le="+Inf"}']
+        == v["vllm:time_to_first_token_seconds_count"]
+        == 2
+    )
+    assert v["vllm:request_time_per_output_token_seconds_sum"] == pytest.approx(0.1)
+    assert [v[f'ouro_fast:token_exit_depth_bucket{{le="{d}"}}'] for d in (1, 2, 3, 4)] == [1, 1, 3, 8]
+    assert v["ouro_fast:token_exit_depth_sum"] == 1 + 3 * 2 + 4 * 5
+    assert v['ouro_fast:step_rows_bucket{le="1"}'] == 4 and v["ouro_fast:step_rows_count"] == 5
+    assert v['ouro_fast:requests_aborted_total{reason="slow_client"}'] == 1
+
+
+class FakeTransport:
+    def __init__(self):
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+def make_client(**config) -> EngineClient:
+    client = EngineClient(ServerConfig(**config), asyncio.get_running_loop())
+    client.state, client.info = "ready", INFO  # as if the owner had reported ready
+    return client
+
+
+def output(rid: str, ids: list[int], finish: str | None = None) -> RequestOutput:
+    return RequestOutput(rid, ids, "t" * len(ids), finish is not None, finish, 3, len(ids), [3] * len(ids))
+
+
+def test_admission_bounds_and_ring_full():
+    async def scenario():
+        client = make_client(max_num_seqs=2, max_waiting=1, ring_capacity=2)
+        a = client.submit([1], "params-a", None)
+        client.submit([2], "params-b", None)
+        assert client.ring.pop_many(8) == [(SUBMIT, a.key), (SUBMIT, a.key + 1)]
+        assert client.payloads[a.key] == ([1], "params-a")  # filled before the push
+        client.submit([3], "params-c", None)
+        with pytest.raises(ApiError) as e:  # three in flight: the bound
+            client.submit([4], "p", None)
+        assert e.value.status == 429 and e.value.retry_after == 1 and "full" in e.value.message
+        client.config = ServerConfig(max_num_seqs=9, ring_capacity=2)
+        client.submit([5], "p", None)
+        with pytest.raises(ApiError) as e:  # the ring holds two records: full
+            client.submit([6], "p", None)
+        assert e.value.status == 429 and "ring" in e.value.message
+        # The refused submission left no payload behind (the owner would never pop it).
+        assert [p for p, _ in client.payloads.values()] == [[1], [2], [3], [5]]
+        assert client.metrics.rejected["overload"] == 2
+
+    asyncio.run(scenario())
+
+
+def test_dispatch_routes_outputs_and_drops_slow_clients():
+    async def scenario():
+        client = make_client(stream_buffer=2, ring_capacity=2)
+        fast, slow = client.submit([1], "p", FakeTransport()), client.submit([2], "p", FakeTransport())
+        client.ring.pop_many(8)
+        snap = EngineSnapshot(kv_blocks_used=7)
+        for step in range(3):  # the slow handler never reads: its third step overflows
+            client._dispatch([output(fast.request_id, [step]), output(slow.request_id, [step])], snap)
+            assert [o.new_token_ids for o in await fast.next()] == [[step]]
+        assert slow.dropped and slow.transport.aborted and not fast.dropped
+        assert client.ring.pop_many(8) == [(ABORT, slow.key)]
+        assert client.metrics.engine is snap and client.metrics.output_batches == 3
+        assert client.metrics.generation_tokens == 6 and client.metrics.ttft.counts != [0] * 19
+        # The handler leaves before the engine's final: still counted until the final arrives.
+        client.release(slow)
+        assert slow.request_id in client.handles
+        client._dispatch([output(slow.request_id, [], "abort")], snap)
+        assert slow.request_id not in client.handles and client.metrics.finished["abort"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_abort_backlog_when_the_ring_is_full():
+    async def scenario():
+        client = make_client(ring_capacity=2)
+        a, b = client.submit([1], "p", None), client.submit([2], "p", None)
+        client.abort(a, "disconnect")
+        client.abort(a, "disconnect")  # idempotent
+        client.abort(b, "disconnect")
+        assert len(client._backlog) == 2
+        assert client.ring.pop_many(8) == [(SUBMIT, a.key), (SUBMIT, b.key)]
+        for _ in range(200):  # the retry timer pushes the backlog once there is room
+            await asyncio.sleep(0.005)
+            if not client._backlog:
+                break
+        assert client.ring.pop_many(8) == [(ABORT, a.key), (ABORT, b.key)]
+        assert client.metrics.aborted["disconnect"] == 2
+
+    asyncio.run(scenario())
