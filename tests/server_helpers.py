@@ -62,16 +62,20 @@ class ServerProcess:
         return Path(self.log_path).read_text(errors="replace")
 
     def wait_ready(self) -> ServerProcess:
+        """Poll /health until 200; self.health_seen keeps every (status, body) answered before."""
+        self.health_seen: list[tuple[int, dict]] = []
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                r = httpx.get(self.url + "/health", timeout=2)
+                self.health_seen.append((r.status_code, r.json()))
+                if r.status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"the server was not ready within {READY_TIMEOUT_S}s:\n{self.log()}")
 

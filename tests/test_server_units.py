@@ -4,15 +4,25 @@ and the event-loop side of the ring (admission, routing, slow-client drop, abort
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
+from ouro_fast.core.ring import RequestRing
 
-from ouro_fast.engine.outputs import RequestOutput
+from ouro_fast.engine.outputs import RequestOutput, StepStats
+from ouro_fast.engine.sampling import SamplingParams
 from ouro_fast.server import protocol, stream
 from ouro_fast.server.client import EngineClient
 from ouro_fast.server.config import ConfigError, ServerConfig
 from ouro_fast.server.metrics import ServerMetrics
-from ouro_fast.server.owner import ABORT, SUBMIT, EngineSnapshot, parse_faults
+from ouro_fast.server.owner import (
+    ABORT,
+    MAX_FAILURES_IN_A_ROW,
+    SUBMIT,
+    EngineOwner,
+    EngineSnapshot,
+    parse_faults,
+)
 from ouro_fast.server.protocol import ApiError, ModelInfo
 from tests.server_helpers import parse_metrics
 
@@ -193,5 +203,104 @@ def test_abort_backlog_when_the_ring_is_full():
                 break
         assert client.ring.pop_many(8) == [(ABORT, a.key), (ABORT, b.key)]
         assert client.metrics.aborted["disconnect"] == 2
+
+    asyncio.run(scenario())
+
+
+class FakeEngine:
+    """The Engine API the owner uses: one token per request per step; failures on demand."""
+
+    def __init__(self):
+        self.requests: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.stats = StepStats(num_loops=4)
+        self.bt = SimpleNamespace(num_blocks=8, num_free_blocks=8)
+        self.num_running = self.num_waiting = 0
+        self.step_fails = self.abort_all_fails = False
+
+    def add_request(self, rid, prompt_ids, params):
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        self.requests[rid] = len(prompt_ids)
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        if self.step_fails:
+            raise RuntimeError("boom")
+        self.stats.steps += 1
+        return [RequestOutput(rid, [7], "x", False, None, n, 1, [3]) for rid, n in self.requests.items()]
+
+    def abort_all(self, reason, error):
+        if self.abort_all_fails:
+            raise RuntimeError("stuck")
+        outs = [RequestOutput(rid, [], "", True, reason, n, 0, [], error) for rid, n in self.requests.items()]
+        self.requests.clear()
+        return outs
+
+
+def make_owner(faults=None) -> tuple[EngineOwner, list]:
+    posted = []
+    owner = EngineOwner(
+        {}, RequestRing(8), {}, lambda batch, snap: posted.append((batch, snap)), None, faults
+    )
+    owner.engine = FakeEngine()
+    return owner, posted
+
+
+def test_owner_drains_submissions_and_aborts():
+    owner, _ = make_owner()
+    owner.payloads.update({1: ([4, 5], SamplingParams()), 2: ([], SamplingParams())})
+    for record in ((SUBMIT, 1), (SUBMIT, 2), (ABORT, 1)):
+        owner.ring.push(*record)
+    (rejected,) = owner._drain()
+    assert (rejected.request_id, rejected.status, rejected.message) == ("2", 400, "the prompt is empty")
+    assert owner.engine.requests == {"1": 2} and owner.engine.aborted == ["1"] and not owner.payloads
+
+
+def test_owner_step_failure_recovers_then_goes_out_of_service():
+    owner, posted = make_owner(faults={9: 2})
+    assert owner._submit("1", ([5], SamplingParams(seed=9))) is None
+    assert owner._submit("2", ([5, 6], SamplingParams())) is None
+    assert len(owner._step()) == 2 and len(owner._step()) == 2  # two tokens each: the hook is armed
+    outs = owner._step()  # the injected fault ends every request in flight, innocent ones too
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("1", "error"), ("2", "error")]
+    assert "InjectedFault" in outs[0].error and owner._failures == 1 and owner._broken is None
+    assert owner._submit("3", ([5], SamplingParams())) is None and len(owner._step()) == 1  # recovered
+    owner.engine.step_fails = owner.engine.abort_all_fails = True
+    (out,) = owner._step()  # abort_all fails too: the engine goes out of service
+    assert (out.request_id, out.finish_reason, out.prompt_tokens) == ("3", "error", 1)
+    assert owner._broken == "RuntimeError: stuck" and owner._failures == 2
+    assert owner._submit("4", ([5], SamplingParams())).status == 503
+    owner._post([])
+    assert posted[-1][1].broken == "RuntimeError: stuck" and posted[-1][1].step_failures == 2
+
+
+def test_owner_goes_out_of_service_after_failures_in_a_row():
+    """A fault that survives abort_all (every step fails) must not fail requests forever."""
+    owner, _ = make_owner()
+    owner.engine.step_fails = True
+    for i in range(MAX_FAILURES_IN_A_ROW):
+        assert owner._broken is None
+        assert owner._submit(str(i), ([5], SamplingParams())) is None
+        assert [o.finish_reason for o in owner._step()] == ["error"]
+    assert "in a row" in owner._broken
+    assert owner._submit("x", ([5], SamplingParams())).status == 503
+
+
+def test_not_ready_is_503():
+    async def scenario():
+        client = EngineClient(ServerConfig(), asyncio.get_running_loop())
+        assert not client.healthy and client.status() == "loading"
+        with pytest.raises(ApiError) as e:
+            client.submit([1], "p", None)
+        assert (e.value.status, e.value.headers()) == (503, {"Retry-After": "1"})
+        client.state, client.info = "ready", INFO
+        client.metrics.engine = EngineSnapshot(broken="RuntimeError: stuck")
+        assert not client.healthy and client.status() == "out of service: RuntimeError: stuck"
 
     asyncio.run(scenario())

@@ -48,7 +48,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/SIGINT: 0 then, 1 if the model failed to load, 2 on a bad configuration."""
+    """Serve until SIGTERM/SIGINT: 0 then, 1 if the model failed to load, 2 on a bad configuration."""
     for f in dataclasses.fields(ServerConfig):
         value = getattr(args, f.name, None)
         if value is not None:

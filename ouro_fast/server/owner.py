@@ -22,6 +22,8 @@ SUBMIT, ABORT, ABORT_ALL = 1, 2, 3
 # Rows-per-step histogram bucket bounds (the last bucket is +Inf).
 STEP_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 WARMUP_ID = "ouro-fast-warmup"
+# Failed steps with no successful one between them after which the engine is declared out of service.
+MAX_FAILURES_IN_A_ROW = 3
 _DRAIN_BATCH = 1024
 
 
@@ -120,6 +122,7 @@ class EngineOwner:
         self._armed: dict[str, list[int]] = {}  # request id -> [fault threshold, tokens so far]
         self._step_rows = [0] * (len(STEP_ROW_BUCKETS) + 1)
         self._steps = self._failures = self._rows_total = self._wakeups = 0
+        self._failures_in_a_row = 0
         self._broken: str | None = None
 
     # ---- called from the event loop thread ----------------------------------------
@@ -232,8 +235,14 @@ class EngineOwner:
             outs = self.engine.step()
         except Exception as e:
             self._failures += 1
+            self._failures_in_a_row += 1
             logger.exception("an engine step failed: ending every request in flight")
-            return self._track(self._abort_all("error", f"the engine step failed: {type(e).__name__}: {e}"))
+            outs = self._abort_all("error", f"the engine step failed: {type(e).__name__}: {e}")
+            if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW and self._broken is None:
+                self._broken = f"{self._failures_in_a_row} engine steps failed in a row; the last: {e!r}"
+                logger.error("the engine is out of service: %s", self._broken)
+            return self._track(outs)
+        self._failures_in_a_row = 0
         if self.engine.stats.steps != steps_before:
             self._steps += 1
             rows = self.engine.stats.rows

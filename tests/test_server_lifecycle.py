@@ -1,27 +1,60 @@
-"""SIGTERM with open streams, on `sanic ouro_fast.server:app` in its default mode (a main process
-and one worker): admission stops, a short request finishes, a long one is aborted at the end of
-the grace period with a clean end of stream, the owner thread is joined and the process exits 0."""
+"""Start and stop: /health before readiness, configuration and model-load failures, and SIGTERM with
+open streams on `sanic ouro_fast.server:app` in its default mode (a main process and one worker)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 
 import httpx
 
+from ouro_fast import cli
 from tests.server_helpers import ServerProcess, bench_stream
 
 GRACE_S = 4.0
 MODEL = "ouro-tiny-random"
 
 
+def test_bad_configuration_exits_2(tmp_path, capsys):
+    saved = dict(os.environ)
+    try:
+        for args, env, message in (
+            (["--model", str(tmp_path)], {}, "not a checkpoint directory"),
+            ([], {"OURO_FAST_MAX_NUM_SEQS": "many"}, "OURO_FAST_MAX_NUM_SEQS"),
+            (["--shutdown-grace", "-1"], {}, "OURO_FAST_SHUTDOWN_GRACE"),
+        ):
+            os.environ.update(env)
+            assert cli.main(["serve", *args]) == 2
+            assert message in capsys.readouterr().err
+            os.environ.clear()
+            os.environ.update(saved)
+    finally:
+        os.environ.clear()  # serve() writes its options into the environment
+        os.environ.update(saved)
+
+
+def test_model_load_failure_stops_the_server(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    srv = ServerProcess("cli", {}, ("--model", str(tmp_path)))
+    try:
+        assert srv.proc.wait(120) == 1
+    finally:
+        srv.stop()
+    assert "the engine failed to start" in srv.log()
+
+
 def test_sigterm_with_open_streams():
-    srv = ServerProcess(
-        "multi", {"OURO_FAST_SHUTDOWN_GRACE": str(GRACE_S), "OURO_FAST_NUM_KV_BLOCKS": "1024"}
-    )
+    """Admission stops, a short request finishes, a long one is aborted at the end of the grace period
+    with a clean end of stream, the owner thread is joined and the process exits 0."""
+    env = {"OURO_FAST_SHUTDOWN_GRACE": str(GRACE_S), "OURO_FAST_NUM_KV_BLOCKS": "1024"}
+    srv = ServerProcess("multi", env)
     try:
         srv.wait_ready()
+        # Not ready until the model is loaded and a first inference ran.
+        loading = [body for status, body in srv.health_seen if status == 503]
+        assert loading and all(body == {"status": "loading"} for body in loading)
         url = srv.url + "/v1/completions"
         results = {}
 
