@@ -144,10 +144,11 @@ class BenchStream:
 
 
 def bench_stream(url: str, body: dict, headers: dict | None = None, stop_after: int | None = None,
-                 client: httpx.Client | None = None) -> BenchStream:  # fmt: skip
+                 client: httpx.Client | None = None, on_first_chunk=None) -> BenchStream:  # fmt: skip
     """POST body and read the SSE stream as vllm bench does: each network read decoded on its own,
     messages split on blank lines, ':' comments dropped, the 'data: ' prefix removed, [DONE] skipped.
-    stop_after: close the connection after that many parsed chunks."""
+    stop_after: close the connection after that many parsed chunks; on_first_chunk: called once
+    when the first chunk has been parsed."""
     own = client is None
     client = client or httpx.Client(timeout=120)
     result = BenchStream(status=0)
@@ -174,6 +175,8 @@ def bench_stream(url: str, body: dict, headers: dict | None = None, stop_after: 
                             result.done = True
                         else:
                             result.chunks.append(json.loads(data))
+                            if on_first_chunk is not None and len(result.chunks) == 1:
+                                on_first_chunk()
                     if stop_after is not None and len(result.chunks) >= stop_after:
                         return result
             except httpx.HTTPError as e:

@@ -56,20 +56,20 @@ def test_sigterm_with_open_streams():
         loading = [body for status, body in srv.health_seen if status == 503]
         assert loading and all(body == {"status": "loading"} for body in loading)
         url = srv.url + "/v1/completions"
-        results = {}
+        results, started = {}, {"long": threading.Event(), "short": threading.Event()}
 
-        def run(name: str, max_tokens: int) -> None:
-            body = {"model": MODEL, "prompt": name, "max_tokens": max_tokens, "ignore_eos": True}
+        def run(name: str, max_tokens: int, **extra) -> None:
+            body = {"model": MODEL, "prompt": name, "max_tokens": max_tokens, "ignore_eos": True, **extra}
             body |= {"stream": True, "stream_options": {"include_usage": True}}
-            results[name] = bench_stream(url, body)
+            results[name] = bench_stream(url, body, on_first_chunk=started[name].set)
 
-        threads = [threading.Thread(target=run, args=a) for a in (("long", 2000), ("short", 40))]
-        for t in threads:
+        # The long one runs every token through all 4 loops: it cannot finish within the grace period.
+        # The short one exits every token after one loop: it finishes well within it.
+        threads = [threading.Thread(target=run, args=("long", 2000))]
+        threads.append(threading.Thread(target=run, args=("short", 40), kwargs={"max_loops": 1}))
+        for t, name in zip(threads, ("long", "short")):
             t.start()
-        deadline = time.monotonic() + 60
-        while srv.metrics()["ouro_fast:requests_in_flight"] < 2:  # both admitted: signal at once
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+            assert started[name].wait(60)
         srv.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         # While in-flight requests drain (the listener is still open), new ones are refused.
