@@ -1,0 +1,24 @@
+"""Triton kernels for the Ouro forward step (needs the `gpu` extra: triton).
+
+Each kernel takes bf16, fp16 or fp32 tensors and accumulates in fp32. Every
+launch grid depends only on tensor shapes and compile-time constants, so a
+CUDA graph captured at fixed padded shapes stays valid when the metadata
+tensors' contents change. On a machine without CUDA, set TRITON_INTERPRET=1
+before importing triton to run them on the CPU (slowly: tests only).
+"""
+
+from .attention import paged_attention
+from .norm import add_rms_norm, rms_norm
+from .propagate import propagate_kv
+from .rope_kv import rope_cos_sin_table, rope_write_kv
+from .swiglu import silu_and_mul
+
+__all__ = [
+    "add_rms_norm",
+    "paged_attention",
+    "propagate_kv",
+    "rms_norm",
+    "rope_cos_sin_table",
+    "rope_write_kv",
+    "silu_and_mul",
+]

@@ -1,0 +1,219 @@
+"""Paged causal attention over loop planes for a mixed batch of decode rows and prefill chunks.
+
+A "row" is a run of consecutive tokens of one request at one loop depth: a decode
+row has one query token, a prefill chunk many. Each row reads the K/V of ITS loop
+plane through its own block table, so rows at different depths share one launch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from .rounding import round_to
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    o_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    q_start_ptr,
+    len_ptr,
+    tok_off_ptr,
+    scale_log2,
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    # One program: one row, one tile of BLOCK_Q query tokens, one KV head with its GROUP query heads.
+    row = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    n_q = tl.load(len_ptr + row)
+    if q_tile * BLOCK_Q >= n_q:
+        return
+    q0 = tl.load(q_start_ptr + row)
+    tok0 = tl.load(tok_off_ptr + row)
+
+    # The M axis packs (token, query head of the group): GQA heads share every K/V load.
+    offs_m = tl.arange(0, BLOCK_Q * GROUP_P2)
+    t_idx = q_tile * BLOCK_Q + offs_m // GROUP_P2
+    g_idx = offs_m % GROUP_P2
+    m_valid = (t_idx < n_q) & (g_idx < GROUP)
+    head = kv_head * GROUP + g_idx
+    tok = (tok0 + t_idx).to(tl.int64)
+    q_pos = q0 + t_idx
+    offs_d = tl.arange(0, D_P2)
+    d_valid = offs_d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+        mask=m_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    # Finite start so fully masked (padding) lanes never compute inf - inf.
+    m_i = tl.full([BLOCK_Q * GROUP_P2], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P2, D_P2], tl.float32)
+
+    # Keys this tile can see: positions 0 .. (its last valid query position).
+    kv_end = q0 + tl.minimum(n_q, (q_tile + 1) * BLOCK_Q)
+    for start in range(0, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        block = tl.load(bt_ptr + row * stride_bt + offs_n // PAGE, mask=n_valid, other=0)
+        slot = block.to(tl.int64) * PAGE + offs_n % PAGE
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        if DOT_UPCAST:
+            # The interpreter's numpy dot cannot multiply bf16; bf16 products are exact in fp32.
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        else:
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = s * scale_log2
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_UPCAST:
+            pv = tl.dot(
+                round_to(p, v.dtype, INTERPRETED).to(tl.float32), v.to(tl.float32), input_precision="ieee"
+            )
+        elif USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+        round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
+        mask=m_valid[:, None] & d_valid[None, :],
+    )
+
+
+def attention_config(max_q_len: int, group: int, head_dim: int) -> dict:
+    """Tile sizes and warps for a launch: a pure function of the fixed bounds, never of per-step values.
+
+    Small M (decode with few query heads per KV head) reduces on CUDA cores; otherwise
+    tl.dot with M = tokens x group heads padded to at least 16, as tensor cores need.
+    Sizes were chosen so that ptxas (sm_90) reports no register spills at head_dim 128.
+    """
+    group_p2, d_p2 = next_pow2(group), next_pow2(head_dim)
+    q_p2 = next_pow2(max_q_len)
+    if q_p2 * group_p2 <= 8:
+        block_n = min(128, max(8, 4096 // (q_p2 * group_p2 * d_p2)))
+        return {"BLOCK_Q": q_p2, "BLOCK_N": block_n, "USE_DOT": False, "num_warps": 4}
+    block_q = max(min(q_p2, max(1, 64 // group_p2)), max(1, 16 // group_p2))
+    return {
+        "BLOCK_Q": block_q,
+        "BLOCK_N": 64 if d_p2 <= 128 else 32,
+        "USE_DOT": True,
+        "num_warps": 8 if d_p2 >= 128 else 4,
+    }
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_q_start: torch.Tensor,
+    row_len: torch.Tensor,
+    row_tok_off: torch.Tensor,
+    block_size: int,
+    max_q_len: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each row's query tokens over its own paged K/V; returns out [N, Hq, D].
+
+    q [N, Hq, D]; k_cache, v_cache [num_slots, Hkv, D] (one layer of one cache, any
+    slot/head strides), Hq a multiple of Hkv (query head h reads KV head h // (Hq/Hkv)).
+    block_tables [R, MB] int32: row r's position p lives at slot
+    block_tables[r, p // block_size] * block_size + p % block_size.
+    row_q_start, row_len, row_tok_off [R] int32: row r's query tokens are
+    q[tok_off : tok_off + len] at positions q_start .. q_start + len - 1; each attends
+    to positions 0 .. its own position (so K/V of the row's own tokens must already
+    be in the cache). A row with len 0 does nothing, so R may be padded.
+    max_q_len: a FIXED upper bound on row_len (e.g. 1 for decode-only launches, the
+    chunk size for prefill); it sets the grid, so it must not vary per step inside a
+    CUDA graph. Rows longer than it are computed only up to it.
+    scale defaults to 1/sqrt(D). Output rows not covered by any row are left untouched.
+    Softmax and both products accumulate in fp32; with fp32 inputs tl.dot runs in IEEE fp32.
+    """
+    check_float("q", q)
+    check_float("k_cache", k_cache)
+    check_float("v_cache", v_cache)
+    check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if hq % hkv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    r = block_tables.shape[0]
+    for name, t in (("row_q_start", row_q_start), ("row_len", row_len), ("row_tok_off", row_tok_off)):
+        if t.shape != (r,) or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [{r}], got {t.dtype} {tuple(t.shape)}")
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be int32 with a contiguous last dimension")
+    if max_q_len < 1:
+        raise ValueError(f"max_q_len must be >= 1, got {max_q_len}")
+    if out is None:
+        out = torch.empty_like(q)
+    check_float("out", out)
+    if r == 0 or n == 0:
+        return out
+    group = hq // hkv
+    cfg = attention_config(max_q_len, group, d)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    grid = (r, triton.cdiv(max_q_len, cfg["BLOCK_Q"]), hkv)
+    _paged_attention_kernel[grid](
+        q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0),
+        GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d, D_P2=next_pow2(d), PAGE=block_size,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=cfg["USE_DOT"] and q.dtype == torch.bfloat16 and interpreting(),
+        INTERPRETED=interpreting(),
+        **cfg,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,41 @@
+"""SiLU-and-mul on a fused gate/up projection output."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check_float, interpreting
+from .rounding import round_to
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, o_ptr, F, stride_x, stride_o, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < F
+    dtype = o_ptr.dtype.element_ty
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + F + offs, mask=mask, other=0.0).to(tl.float32)
+    # silu is rounded to the dtype before the multiply, as F.silu(gate) * up does in torch.
+    act = round_to(g / (1.0 + tl.exp(-g)), dtype, INTERPRETED).to(tl.float32)
+    tl.store(o_ptr + row * stride_o + offs, round_to(act * u, dtype, INTERPRETED), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
+    """silu(x[:, :F]) * x[:, F:] for x [N, 2F] (gate then up, e.g. a fused gate_up matmul); out [N, F].
+
+    Matches torch's F.silu(gate) * up in the same dtype: fp32 math, the silu rounded
+    to the dtype before the multiply. Grid (N, cdiv(F, block)).
+    """
+    check_float("x", x)
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"x must be [N, 2F], got {tuple(x.shape)}")
+    n, f = x.shape[0], x.shape[1] // 2
+    out = torch.empty(n, f, dtype=x.dtype, device=x.device) if out is None else out
+    if n and f:
+        _silu_and_mul_kernel[(n, triton.cdiv(f, block))](
+            x, out, f, x.stride(0), out.stride(0), BLOCK=block, INTERPRETED=interpreting(), num_warps=4
+        )
+    return out

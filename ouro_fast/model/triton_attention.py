@@ -1,0 +1,100 @@
+"""Paged attention backend on the Triton kernels: same call as PagedTorchAttention, tensor metadata.
+
+Per model call the runner sets `batch` (a TritonBatch of device tensors); every
+layer then costs two launches: the K/V write (fused with RoPE when the backend
+owns RoPE) and the paged attention. No per-layer host work, no device-to-host
+syncs, and launch grids that depend only on tensor shapes and max_q_len, so the
+call can be captured in a CUDA graph at fixed padded shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..kernels import paged_attention, rope_cos_sin_table, rope_write_kv
+
+
+@dataclass
+class TritonBatch:
+    """Where each token's K/V lives for one model call, all on the device.
+
+    slot_mapping [N] int64: the slot each token's K/V is written to (-1: no write).
+    positions [N] int64: each token's position (read only when the backend applies RoPE).
+    block_tables [R, MB] int32: row r's block table for ITS loop (-1 beyond its blocks).
+    row_q_start, row_len, row_tok_off [R] int32: row r is tokens tok_off .. tok_off+len-1
+    of the call at positions q_start ..; len 0 marks a padding row.
+    max_q_len: a fixed bound on row_len (1 for decode-only calls); it shapes the grid.
+    """
+
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    row_q_start: torch.Tensor
+    row_len: torch.Tensor
+    row_tok_off: torch.Tensor
+    max_q_len: int
+
+    @classmethod
+    def from_schedule(cls, sched, tables: np.ndarray, device, max_q_len: int | None = None) -> TritonBatch:
+        """Build from a LoopScheduler step (row_* and token arrays) and BlockTable.tables.
+
+        max_q_len defaults to the step's token count (always a valid bound); pass a
+        fixed bucket instead when the launch must be graph-capturable.
+        """
+        r, n = sched.num_rows, sched.num_step_tokens
+        tables_of_rows = tables[sched.row_kv_slot[:r], sched.row_loop[:r]]
+
+        def dev(a: np.ndarray, dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device, non_blocking=True)
+
+        return cls(
+            slot_mapping=dev(sched.slot_mapping[:n], np.int64),
+            positions=dev(sched.positions[:n], np.int64),
+            block_tables=dev(tables_of_rows, np.int32),
+            row_q_start=dev(sched.row_start[:r], np.int32),
+            row_len=dev(sched.row_len[:r], np.int32),
+            row_tok_off=dev(sched.row_tok_off[:r], np.int32),
+            max_q_len=max(1, int(n) if max_q_len is None else max_q_len),
+        )
+
+
+class TritonPagedAttention:
+    """Paged attention over loop planes on the Triton kernels.
+
+    kv_cache [2, num_layers, num_slots, Hkv, D]; a slot is block_id * block_size + offset.
+    With rope_theta and max_positions the backend applies RoPE itself (applies_rope is
+    True) and expects UNROTATED q and k; otherwise q and k arrive rotated, as
+    OuroForCausalLM.run_loop passes them today.
+    """
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        rope_theta: float | None = None,
+        max_positions: int | None = None,
+    ):
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.batch: TritonBatch | None = None
+        self.applies_rope = rope_theta is not None
+        self.cos_sin = None
+        if self.applies_rope:
+            if not max_positions:
+                raise ValueError("max_positions is needed when the backend applies RoPE")
+            self.cos_sin = rope_cos_sin_table(max_positions, kv_cache.shape[-1], rope_theta, kv_cache.device)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        kc, vc = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
+        positions = b.positions if self.applies_rope else None
+        # Rotating in place is safe: q is a fresh projection output owned by this call.
+        q = rope_write_kv(q, k, v, kc, vc, b.slot_mapping, positions, self.cos_sin, q_out=q)
+        return paged_attention(
+            q, kc, vc, b.block_tables, b.row_q_start, b.row_len, b.row_tok_off,
+            self.block_size, b.max_q_len, 1.0 / math.sqrt(q.shape[-1]),
+        )  # fmt: skip
