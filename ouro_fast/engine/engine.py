@@ -54,9 +54,9 @@ class EngineConfig:
     refill: bool = True  # False: a batch drains to its slowest row before new rows join
     seed: int = 0
     keep_logits: bool = False  # keep each output token's logits (tests)
-    cpu_threads: int | None = (
-        1  # torch intra-op threads on CPU (None: torch's default); leaves a core to HTTP
-    )
+    runner: str = "auto"  # "torch" (reference), "triton" (kernels + CUDA graphs); auto: triton on CUDA
+    cuda_graphs: bool = True  # capture decode steps (triton runner on CUDA)
+    cpu_threads: int | None = 1  # torch threads on CPU (None: torch's default); leaves a core to HTTP
 
 
 @dataclass
@@ -122,9 +122,17 @@ class Engine:
         with torch.device("meta"):
             model = OuroForCausalLM(self.model_config)
         load_weights(model, self.model_dir, self.model_config, self.dtype, self.device)
-        if self.device.type == "cuda":
-            model.fuse()  # fewer, larger matmuls; on CPU the tests read the unfused weights
+        if self._runner_kind() == "triton":
+            model.fuse()  # one qkv and one gate_up matmul per layer
         return model.eval()
+
+    def _runner_kind(self) -> str:
+        kind = self.config.runner
+        if kind == "auto":
+            kind = "triton" if self.device.type == "cuda" else "torch"
+        if kind not in ("torch", "triton"):
+            raise ValueError(f"runner must be auto, torch or triton; got {kind!r}")
+        return kind
 
     def _build_kv_and_scheduler(self) -> None:
         cfg, mc = self.config, self.model_config
@@ -158,8 +166,18 @@ class Engine:
             temperature=np.ones(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
             seed=np.full(n, -1, np.int64), num_outputs=np.zeros(n, np.int32),
         )  # fmt: skip
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.vocab_limit, self.device,
-                                  cfg.seed, cfg.keep_logits)  # fmt: skip
+        if self._runner_kind() == "triton":
+            from .gpu_runner import GpuModelRunner  # imports triton: only when asked for
+
+            self.runner = GpuModelRunner(
+                self.model, num_blocks, cfg.block_size, self.vocab_limit, self.device, cfg.max_num_seqs,
+                cfg.max_num_batched_tokens, max_blocks_per_seq, self.max_model_len, cfg.seed, cfg.keep_logits,
+                cfg.cuda_graphs,
+            )  # fmt: skip
+            self.runner.capture()
+        else:
+            self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.vocab_limit, self.device,
+                                      cfg.seed, cfg.keep_logits)  # fmt: skip
         # Tokens one request can ever hold: the model limit, and what the pool fits at every loop.
         pool_tokens = num_blocks // self.num_loops * cfg.block_size
         self.max_request_tokens = min(self.max_model_len, pool_tokens)

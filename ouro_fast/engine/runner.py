@@ -122,27 +122,30 @@ class ModelRunner:
         surv = torch.zeros(n, dtype=torch.float32, device=self.device)
         surv[last] = log_surv
         self.prev_log_surv = surv
-        return self._sample(sched, h[last], exits, sampling)
+        return sample_exited(self, sched, h[last], exits.to(torch.uint8).cpu().numpy(), sampling)
 
-    def _sample(self, sched, h_last: torch.Tensor, exits: torch.Tensor, sampling: RowSampling) -> StepResult:
-        r = sched.num_rows
-        exited = exits.to(torch.uint8).cpu().numpy()
-        sampled = np.zeros(r, dtype=np.int32)
-        rows = np.flatnonzero(exited)
-        kept = None
-        if rows.size:
-            rids = sched.row_rid[rows]
-            logits = self.model.logits(h_last[torch.from_numpy(rows).to(self.device)]).float()
-            seeds = [None if s < 0 else int(s) for s in sampling.seed[rids]]
-            ids = self.sampler(
-                logits,
-                torch.from_numpy(sampling.temperature[rids]),
-                torch.from_numpy(sampling.top_p[rids]),
-                torch.from_numpy(sampling.top_k[rids]),
-                seeds,
-                sampling.num_outputs[rids].tolist(),
-            )
-            sampled[rows] = ids.cpu().numpy()
-            if self.keep_logits:
-                kept = {int(row): logits[i].cpu() for i, row in enumerate(rows)}
-        return StepResult(exited, sampled, kept)
+
+def sample_exited(
+    runner, sched, h_last: torch.Tensor, exited: np.ndarray, sampling: RowSampling
+) -> StepResult:
+    """lm_head and the sampler for the rows whose live token exited (exited: uint8 per row, on the host)."""
+    r = sched.num_rows
+    sampled = np.zeros(r, dtype=np.int32)
+    rows = np.flatnonzero(exited)
+    kept = None
+    if rows.size:
+        rids = sched.row_rid[rows]
+        logits = runner.model.logits(h_last[torch.from_numpy(rows).to(runner.device)]).float()
+        seeds = [None if s < 0 else int(s) for s in sampling.seed[rids]]
+        ids = runner.sampler(
+            logits,
+            torch.from_numpy(sampling.temperature[rids]),
+            torch.from_numpy(sampling.top_p[rids]),
+            torch.from_numpy(sampling.top_k[rids]),
+            seeds,
+            sampling.num_outputs[rids].tolist(),
+        )
+        sampled[rows] = ids.cpu().numpy()
+        if runner.keep_logits:
+            kept = {int(row): logits[i].cpu() for i, row in enumerate(rows)}
+    return StepResult(exited, sampled, kept)

@@ -74,7 +74,8 @@ class OuroAttention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:  # None: the attention backend applies RoPE itself (fused with its K/V write)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -153,7 +154,9 @@ class OuroForCausalLM(nn.Module):
         `attn(layer_idx, q, k, v)` writes each token's K/V into its own loop's plane and
         returns the attention output [N, heads, head_dim].
         """
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        cos = sin = None
+        if not getattr(attn, "applies_rope", False):
+            cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, attn, i)
         # The final norm runs after every loop and its output feeds the next loop.

@@ -1,0 +1,190 @@
+"""The fast runner: Triton kernels, static device buffers, and CUDA graphs for decode steps.
+
+Same contract as ModelRunner.execute (and tested against it). Every step's inputs
+are packed on the host into two pinned buffers and copied to the device in two
+transfers; the device tensors the kernels read are fixed views into them, so a
+step whose rows are all single decode tokens can replay a CUDA graph captured
+for the smallest bucket of rows that holds it (padding rows do nothing). Steps
+with prefill chunks run the same code eagerly. The hidden states and exit
+statistics carried between steps live in static buffers indexed by token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..kernels import propagate_kv
+from ..model.exit_rule import exit_mask
+from ..model.fast_loop import run_loop_fused
+from ..model.ouro import OuroForCausalLM
+from ..model.triton_attention import TritonBatch, TritonPagedAttention
+from .runner import RowSampling, StepResult, sample_exited
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _Staging:
+    """Pinned host arrays mirrored by device views; filled per step, copied in one transfer each."""
+
+    def __init__(self, layout: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device):
+        sizes = {k: math.prod(s) for k, s in layout.items()}
+        total = sum(sizes.values())
+        pin = device.type == "cuda"
+        self.host = torch.zeros(total, dtype=dtype, pin_memory=pin)
+        self.device = torch.zeros(total, dtype=dtype, device=device)
+        self.np, self.dev, off = {}, {}, 0
+        host_np = self.host.numpy()
+        for k, shape in layout.items():
+            self.np[k] = host_np[off : off + sizes[k]].reshape(shape)
+            self.dev[k] = self.device[off : off + sizes[k]].view(shape)
+            off += sizes[k]
+
+    def upload(self) -> None:
+        self.device.copy_(self.host, non_blocking=True)
+
+
+class GpuModelRunner:
+    def __init__(
+        self,
+        model: OuroForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        vocab_limit: int,
+        device: torch.device,
+        max_rows: int,
+        max_tokens: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        seed: int = 0,
+        keep_logits: bool = False,
+        use_graphs: bool = True,
+    ):
+        from .sampling import Sampler
+
+        cfg = model.config
+        self.model, self.cfg, self.device = model, cfg, device
+        self.block_size = block_size
+        dtype = next(model.parameters()).dtype
+        self.kv_cache = torch.zeros(
+            2, cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
+            dtype=dtype, device=device,
+        )  # fmt: skip
+        self.attn = TritonPagedAttention(self.kv_cache, block_size, cfg.rope_theta, max_model_len)
+        self.sampler = Sampler(vocab_limit, device, seed)
+        self.keep_logits = keep_logits
+        self.use_graphs = use_graphs and device.type == "cuda"
+        r, n, mb = max_rows, max_tokens, max_blocks_per_seq
+        self.max_rows, self.max_tokens = r, n
+        tok, row = (n,), (r,)
+        i64 = {"ids": tok, "pos": tok, "slot": tok, "hsrc": tok, "last": row, "prev_last": row}
+        self.i64 = _Staging(i64, torch.int64, device)
+        self.i32 = _Staging(
+            {"bt": (r, mb), "q_start": row, "len": row, "tok_off": row, "loop": row, "lo": row, "hi": row,
+             "log1mq": row}, torch.int32, device,
+        )  # fmt: skip
+        self.h_prev = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
+        self.ls_prev = torch.zeros(n, dtype=torch.float32, device=device)
+        self.exits = torch.zeros(r, dtype=torch.bool, device=device)
+        self.x_last = torch.zeros(r, cfg.hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    # ---- inputs ----------------------------------------------------------------
+
+    def _fill(self, sched, tables: np.ndarray, rows: int, tokens: int) -> None:
+        """Write the step's inputs into the pinned buffers, padding up to `rows`/`tokens`."""
+        r, n = sched.num_rows, sched.num_step_tokens
+        a, b = self.i64.np, self.i32.np
+        a["ids"][:n], a["pos"][:n] = sched.token_ids[:n], sched.positions[:n]
+        a["slot"][:n], a["hsrc"][:n] = sched.slot_mapping[:n], sched.hidden_src[:n]
+        a["ids"][n:tokens], a["pos"][n:tokens], a["slot"][n:tokens], a["hsrc"][n:tokens] = 0, 0, -1, -1
+        last = sched.row_tok_off[:r] + sched.row_len[:r] - 1
+        a["last"][:r] = last
+        a["prev_last"][:r] = sched.hidden_src[last]
+        a["last"][r:rows], a["prev_last"][r:rows] = 0, -1
+        b["bt"][:r] = tables[sched.row_kv_slot[:r], sched.row_loop[:r]]
+        b["q_start"][:r], b["len"][:r], b["tok_off"][:r] = (
+            sched.row_start[:r],
+            sched.row_len[:r],
+            sched.row_tok_off[:r],
+        )
+        b["loop"][:r], b["lo"][:r], b["hi"][:r] = (
+            sched.row_loop[:r],
+            sched.row_exit_lo[:r],
+            sched.row_exit_hi[:r],
+        )
+        b["log1mq"][:r] = sched.row_log1mq[:r].view(np.int32)  # float32 bits travel in the int32 buffer
+        b["bt"][r:rows], b["q_start"][r:rows], b["len"][r:rows], b["tok_off"][r:rows] = -1, 0, 0, 0
+        b["loop"][r:rows], b["lo"][r:rows], b["hi"][r:rows] = 0, 127, 127
+        self.i64.upload()
+        self.i32.upload()
+
+    # ---- the step on the device -------------------------------------------------
+
+    def _forward(self, rows: int, tokens: int, max_q_len: int) -> None:
+        """One loop for the first `rows` rows / `tokens` tokens of the static buffers (graph-capturable)."""
+        a, b = self.i64.dev, self.i32.dev
+        hsrc = a["hsrc"][:tokens]
+        h = torch.where(
+            (hsrc >= 0)[:, None], self.h_prev[hsrc.clamp(min=0)], self.model.embed(a["ids"][:tokens])
+        )  # fmt: skip
+        self.attn.batch = TritonBatch(
+            a["slot"][:tokens], a["pos"][:tokens], b["bt"][:rows], b["q_start"][:rows], b["len"][:rows],
+            b["tok_off"][:rows], max_q_len,
+        )  # fmt: skip
+        x = run_loop_fused(self.model, h, self.attn)
+        last, prev = a["last"][:rows], a["prev_last"][:rows]
+        xl = x[last]
+        gate = self.model.gate_logits(xl)
+        carried = torch.where(prev >= 0, self.ls_prev[prev.clamp(min=0)], torch.zeros_like(gate))
+        log_surv = carried + F.logsigmoid(-gate)
+        log1mq = b["log1mq"][:rows].view(torch.float32)
+        self.exits[:rows] = exit_mask(
+            b["loop"][:rows], log_surv, log1mq, b["lo"][:rows] + 1, b["hi"][:rows] + 1
+        )
+        self.x_last[:rows] = xl
+        self.h_prev[:tokens] = x
+        self.ls_prev[last] = log_surv
+
+    def _graph(self, bucket: int) -> torch.cuda.CUDAGraph:
+        g = self.graphs.get(bucket)
+        if g is None:
+            # Warm up (Triton compiles on first launch) outside the capture, on a side stream.
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(bucket, bucket, 1)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._forward(bucket, bucket, 1)
+            self.graphs[bucket] = g
+        return g
+
+    def capture(self, buckets=GRAPH_BUCKETS) -> None:
+        """Capture decode graphs up front (start-up), so no request pays for a capture."""
+        if self.use_graphs:
+            with torch.inference_mode():
+                for bucket in buckets:
+                    if bucket <= min(self.max_rows, self.max_tokens):
+                        self._graph(bucket)
+
+    @torch.inference_mode()
+    def execute(self, sched, tables: np.ndarray, sampling: RowSampling) -> StepResult:
+        r, n = sched.num_rows, sched.num_step_tokens
+        if sched.num_prop:
+            src = torch.from_numpy(sched.prop_src[: sched.num_prop]).to(self.device, non_blocking=True)
+            dst = torch.from_numpy(sched.prop_dst[: sched.num_prop]).to(self.device, non_blocking=True)
+            propagate_kv(self.kv_cache, src, dst)
+        bucket = next((b for b in GRAPH_BUCKETS if b >= r), 0) if self.use_graphs and n == r else 0
+        if bucket and bucket <= min(self.max_rows, self.max_tokens):
+            self._fill(sched, tables, bucket, bucket)
+            self._graph(bucket).replay()
+        else:
+            self._fill(sched, tables, r, n)
+            self._forward(r, n, int(sched.row_len[:r].max()))
+        exited = self.exits[:r].to(torch.uint8).cpu().numpy()
+        return sample_exited(self, sched, self.x_last[:r], exited, sampling)

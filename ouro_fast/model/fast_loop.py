@@ -1,0 +1,33 @@
+"""One Ouro loop on the Triton kernels: the same math as OuroForCausalLM.run_loop, fewer launches.
+
+Needs a fused model (OuroForCausalLM.fuse(): one qkv and one gate_up matmul per
+layer) and an attention backend that applies RoPE (TritonPagedAttention with
+rope_theta). Per layer: qkv matmul, RoPE + K/V write, attention, o_proj, fused
+add + two RMSNorms, gate_up matmul, SiLU-and-mul, down matmul, fused add +
+RMSNorm (of the next layer's input, or the final norm after the last layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import add_rms_norm, rms_norm, silu_and_mul
+from .ouro import OuroForCausalLM
+
+
+def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tensor:
+    """h [N, hidden] -> the loop's normed output [N, hidden] (which feeds the next loop)."""
+    cfg = model.config
+    layers, eps = model.model.layers, cfg.rms_norm_eps
+    n, hq, hkv, d = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = rms_norm(h, layers[0].input_layernorm.weight, eps)
+    for i, layer in enumerate(layers):
+        sa, mlp = layer.self_attn, layer.mlp
+        q, k, v = F.linear(x, sa.qkv_weight).split((hq * d, hkv * d, hkv * d), dim=-1)
+        a = sa.o_proj(attn(i, q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)).reshape(n, hq * d))
+        h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
+        out = mlp.down_proj(silu_and_mul(F.linear(m, mlp.gate_up_weight)))
+        w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
+        h, x = add_rms_norm(h, out, layer.post_attention_layernorm_2.weight, w_next, eps)
+    return x
