@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 
 from Cython.Build import cythonize
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
@@ -56,14 +56,7 @@ def core_extensions():
 
 
 setup(
-    packages=[
-        "ouro_fast",
-        "ouro_fast.core",
-        "ouro_fast.core_py",
-        "ouro_fast.model",
-        "ouro_fast.engine",
-        "ouro_fast.server",
-    ],
+    packages=[*find_packages(include=["ouro_fast", "ouro_fast.*"]), "ouro_fast.core_py"],
     package_dir={"ouro_fast.core_py": "csrc"},
     ext_modules=cythonize(
         core_extensions(),
