@@ -211,6 +211,15 @@ def test_owner_sleeps_while_idle(server):
     assert server.metrics()["ouro_fast:owner_wakeups_total"] == first
 
 
+def test_long_prompt_is_counted_exactly(server, llm):
+    """Prompts over 16K characters are tokenized off the event loop; the count is still exact."""
+    text = "the " * 4400
+    n = len(llm.engine.tokenizer.encode(text))
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert f"the prompt ({n} tokens)" in r.json()["error"]["message"]
+
+
 # ---- chat ------------------------------------------------------------------------------
 
 
