@@ -25,7 +25,8 @@ def _propagate_kernel(
 ):
     # One program: one (src, dst) pair, one (K or V, layer) plane row.
     i = tl.program_id(0)
-    plane = tl.program_id(1)
+    # int64: a 1.4B cache's (K/V, layer) offsets pass 2**31 elements.
+    plane = tl.program_id(1).to(tl.int64)
     # Nested so that without a count the load is compiled away.
     if HAS_COUNT:  # noqa: SIM102
         if i >= tl.load(count_ptr):
