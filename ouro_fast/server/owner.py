@@ -190,7 +190,8 @@ class EngineOwner:
             raise RuntimeError(f"the first inference did not produce one token: {final}")
         return ReadyInfo(
             model_dir=str(eng.model_dir), max_model_len=eng.max_model_len,
-            max_request_tokens=eng.max_request_tokens, vocab_limit=eng.vocab_limit, num_loops=eng.num_loops,
+            max_request_tokens=eng.max_request_tokens, num_loops=eng.model_config.total_ut_steps,
+            vocab_limit=min(eng.tokenizer.vocab_size, eng.model_config.vocab_size),
             num_kv_blocks=eng.bt.num_blocks, load_seconds=load, warmup_seconds=time.monotonic() - t0 - load,
             tokenizer=OuroTokenizer.from_dir(eng.model_dir),
         )  # fmt: skip
