@@ -7,12 +7,12 @@ tokenizer and on a small one trained here whose merges cover CJK and emoji.
 from pathlib import Path
 
 import numpy as np
-import ouro_fast.core_py.detok as twin_core
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import ouro_fast.core_py.detok as twin_core
 from ouro_fast.core import detok as compiled_core
 from ouro_fast.engine.detokenizer import IncrementalDetokenizer
 

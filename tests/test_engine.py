@@ -228,9 +228,20 @@ def test_bad_requests_are_rejected_clearly(model_dir):
         engine.add_request("d", [1, 2], SamplingParams(max_tokens=0))
     with pytest.raises(ValueError, match="min_loops"):
         engine.add_request("e", [1, 2], SamplingParams(min_loops=5))
+    with pytest.raises(ValueError, match="top_k"):
+        engine.add_request("h", [5], SamplingParams(max_tokens=2, top_k=2**31))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("i", [5], SamplingParams(max_tokens=2, temperature=1e39))
+    with pytest.raises(ValueError, match="top_k"):
+        engine.add_request("h", [5], SamplingParams(max_tokens=2, top_k=2**31))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("i", [5], SamplingParams(max_tokens=2, temperature=1e39))
     engine.add_request("f", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="in use"):
         engine.add_request("f", [1, 2], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():  # rejected requests left nothing behind
+        engine.step()
+    assert engine.bt.num_free_blocks == engine.bt.num_blocks
     # 16 blocks at 4 loops hold 64 tokens: a request fitting max_model_len but not the pool is refused.
     small = Engine(EngineConfig(model=model_dir, num_kv_blocks=8))
     with pytest.raises(ValueError, match="KV pool"):

@@ -14,7 +14,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: pip install 'triton>=3.0')")
 
 from ouro_fast.core_py.block_table import BlockTable  # noqa: E402
-
 from ouro_fast.kernels import (  # noqa: E402
     add_rms_norm,
     paged_attention,

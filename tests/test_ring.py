@@ -9,11 +9,11 @@ import time
 from collections import deque
 from pathlib import Path
 
-import ouro_fast.core_py.ring as ring_py
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ouro_fast.core_py.ring as ring_py
 from ouro_fast.core import ring as ring_c
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"

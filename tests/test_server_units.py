@@ -7,8 +7,8 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from ouro_fast.core.ring import RequestRing
 
+from ouro_fast.core.ring import RequestRing
 from ouro_fast.engine.outputs import RequestOutput, StepStats
 from ouro_fast.engine.sampling import SamplingParams
 from ouro_fast.server import protocol, stream

@@ -195,17 +195,22 @@ class Engine:
         self._check_prompt(prompt_ids, params)
         lo, hi, q = params.exit_policy(self.num_loops, self.model_config.early_exit_threshold)
         cap = len(prompt_ids) + params.max_tokens
-        rid = self.scheduler.add(np.asarray(prompt_ids, dtype=np.int32), cap, lo, hi, log_one_minus(q))
-        s = self.sampling
-        s.temperature[rid], s.top_p[rid] = params.temperature, params.top_p
-        s.top_k[rid] = max(params.top_k, 0)
-        s.seed[rid] = -1 if params.seed is None else params.seed
-        s.num_outputs[rid] = 0
         eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
-        req = Request(request_id, rid, list(prompt_ids), params, eos | frozenset(params.stop_token_ids))
+        req = Request(request_id, -1, list(prompt_ids), params, eos | frozenset(params.stop_token_ids))
+        rid = self.scheduler.add(np.asarray(prompt_ids, dtype=np.int32), cap, lo, hi, log_one_minus(q))
+        req.rid = rid
+        try:
+            s = self.sampling
+            s.temperature[rid], s.top_p[rid] = params.temperature, params.top_p
+            s.top_k[rid] = max(params.top_k, 0)
+            s.seed[rid] = -1 if params.seed is None else params.seed
+            s.num_outputs[rid] = 0
+            self.detok.add(rid, req.prompt_ids, params.skip_special_tokens, params.stop)
+        except Exception:
+            self.scheduler.finish(rid)  # leave no half-registered request behind
+            raise
         self.requests[request_id] = req
         self.by_rid[rid] = req
-        self.detok.add(rid, req.prompt_ids, params.skip_special_tokens, params.stop)
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

@@ -28,23 +28,39 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class _Staging:
-    """Pinned host arrays mirrored by device views; filled per step, copied in one transfer each."""
+    """Pinned host arrays mirrored by device views; filled per step, copied in one transfer each.
+
+    Two host buffers alternate, each guarded by an event, so a step can be filled
+    while the previous step's copy may still be in flight (steps that need no exit
+    flags are launched without waiting for the device).
+    """
 
     def __init__(self, layout: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device):
         sizes = {k: math.prod(s) for k, s in layout.items()}
         total = sum(sizes.values())
         pin = device.type == "cuda"
-        self.host = torch.zeros(total, dtype=dtype, pin_memory=pin)
+        self.hosts = [torch.zeros(total, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self.events = [torch.cuda.Event() if pin else None for _ in range(2)]
         self.device = torch.zeros(total, dtype=dtype, device=device)
-        self.np, self.dev, off = {}, {}, 0
-        host_np = self.host.numpy()
+        self.views, self.dev, off = [{}, {}], {}, 0
         for k, shape in layout.items():
-            self.np[k] = host_np[off : off + sizes[k]].reshape(shape)
+            for host, views in zip(self.hosts, self.views):
+                views[k] = host.numpy()[off : off + sizes[k]].reshape(shape)
             self.dev[k] = self.device[off : off + sizes[k]].view(shape)
             off += sizes[k]
+        self.cur = 0
+
+    def begin(self) -> dict[str, np.ndarray]:
+        """Switch to the other host buffer once its last copy is done; returns its arrays."""
+        self.cur ^= 1
+        if self.events[self.cur] is not None:
+            self.events[self.cur].synchronize()
+        return self.views[self.cur]
 
     def upload(self) -> None:
-        self.device.copy_(self.host, non_blocking=True)
+        self.device.copy_(self.hosts[self.cur], non_blocking=True)
+        if self.events[self.cur] is not None:
+            self.events[self.cur].record()
 
 
 class GpuModelRunner:
@@ -97,7 +113,7 @@ class GpuModelRunner:
     def _fill(self, sched, tables: np.ndarray, rows: int, tokens: int) -> None:
         """Write the step's inputs into the pinned buffers, padding up to `rows`/`tokens`."""
         r, n = sched.num_rows, sched.num_step_tokens
-        a, b = self.i64.np, self.i32.np
+        a, b = self.i64.begin(), self.i32.begin()
         a["ids"][:n], a["pos"][:n] = sched.token_ids[:n], sched.positions[:n]
         a["slot"][:n], a["hsrc"][:n] = sched.slot_mapping[:n], sched.hidden_src[:n]
         a["ids"][n:tokens], a["pos"][n:tokens], a["slot"][n:tokens], a["hsrc"][n:tokens] = 0, 0, -1, -1
@@ -186,5 +202,8 @@ class GpuModelRunner:
         else:
             self._fill(sched, tables, r, n)
             self._forward(r, n, int(sched.row_len[:r].max()))
+        if not (sched.row_exit_lo[:r] <= sched.row_loop[:r]).any():
+            # No row may exit at this loop: nothing to read back, so do not wait for the device.
+            return StepResult(np.zeros(r, np.uint8), np.zeros(r, np.int32))
         exited = self.exits[:r].to(torch.uint8).cpu().numpy()
         return sample_exited(self, sched, self.x_last[:r], exited, sampling)

@@ -46,13 +46,15 @@ class SamplingParams:
             self.max_tokens,
         )
         _check(
-            _is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+            _is_real(self.temperature) and 0 <= self.temperature <= 3.0e38,  # stays finite in float32
             "temperature",
             "a finite number >= 0",
             self.temperature,
         )
         _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= -1", self.top_k)
+        _check(
+            _is_int(self.top_k) and -1 <= self.top_k < 2**31, "top_k", "an integer in [-1, 2**31)", self.top_k
+        )
         if self.seed is not None:
             _check(
                 _is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63)", self.seed
