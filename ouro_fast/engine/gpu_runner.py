@@ -1,12 +1,13 @@
-"""The fast runner: Triton kernels, static device buffers, and CUDA graphs for decode steps.
+"""The fast runner: Triton kernels, static device buffers, and CUDA graphs.
 
 Same contract as ModelRunner.execute (and tested against it). Every step's inputs
-are packed on the host into two pinned buffers and copied to the device in two
-transfers; the device tensors the kernels read are fixed views into them, so a
-step whose rows are all single decode tokens can replay a CUDA graph captured
-for the smallest bucket of rows that holds it (padding rows do nothing). Steps
-with prefill chunks run the same code eagerly. The hidden states and exit
-statistics carried between steps live in static buffers indexed by token.
+are packed on the host into pinned buffers and copied to the device in two
+transfers; the tensors the kernels read are fixed views into one device buffer.
+A step runs padded to a power-of-two shape (rows, tokens, longest row), padding
+rows and tokens doing nothing, so a few CUDA graphs cover every step: decode
+shapes are captured at start-up, others on first use (up to MAX_GRAPHS, then
+eagerly at the same padding). The hidden states and exit statistics carried
+between steps live in static buffers indexed by token.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..model.ouro import OuroForCausalLM
 from ..model.triton_attention import TritonBatch, TritonPagedAttention
 from .runner import RowSampling, StepResult, sample_exited
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_GRAPHS = 48  # captured (rows, tokens, max_q_len) shapes; steps beyond run eagerly at the same padding
 
 
 class _Staging:
@@ -96,17 +97,18 @@ class GpuModelRunner:
         r, n, mb = max_rows, max_tokens, max_blocks_per_seq
         self.max_rows, self.max_tokens = r, n
         tok, row = (n,), (r,)
-        i64 = {"ids": tok, "pos": tok, "slot": tok, "hsrc": tok, "last": row, "prev_last": row}
+        i64 = {"ids": tok, "pos": tok, "slot": tok, "hsrc": tok, "last": row, "prev_last": row, "store": row}
         self.i64 = _Staging(i64, torch.int64, device)
         self.i32 = _Staging(
             {"bt": (r, mb), "q_start": row, "len": row, "tok_off": row, "loop": row, "lo": row, "hi": row,
              "log1mq": row}, torch.int32, device,
         )  # fmt: skip
         self.h_prev = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
-        self.ls_prev = torch.zeros(n, dtype=torch.float32, device=device)
+        self.ls_prev = torch.zeros(n + 1, dtype=torch.float32, device=device)
         self.exits = torch.zeros(r, dtype=torch.bool, device=device)
         self.x_last = torch.zeros(r, cfg.hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     # ---- inputs ----------------------------------------------------------------
 
@@ -120,7 +122,9 @@ class GpuModelRunner:
         last = sched.row_tok_off[:r] + sched.row_len[:r] - 1
         a["last"][:r] = last
         a["prev_last"][:r] = sched.hidden_src[last]
-        a["last"][r:rows], a["prev_last"][r:rows] = 0, -1
+        a["store"][:r] = last
+        # Padding rows park their exit statistics in a spare slot past the real tokens.
+        a["last"][r:rows], a["prev_last"][r:rows], a["store"][r:rows] = 0, -1, self.max_tokens
         b["bt"][:r] = tables[sched.row_kv_slot[:r], sched.row_loop[:r]]
         b["q_start"][:r], b["len"][:r], b["tok_off"][:r] = (
             sched.row_start[:r],
@@ -163,30 +167,38 @@ class GpuModelRunner:
         )
         self.x_last[:rows] = xl
         self.h_prev[:tokens] = x
-        self.ls_prev[last] = log_surv
+        self.ls_prev[a["store"][:rows]] = log_surv
 
-    def _graph(self, bucket: int) -> torch.cuda.CUDAGraph:
-        g = self.graphs.get(bucket)
+    def _shape(self, rows: int, tokens: int, max_len: int) -> tuple[int, int, int]:
+        """The padded (rows, tokens, max_q_len) of a step: powers of two, so few graphs cover all steps."""
+        r_b = _pow2(rows)
+        n_b = max(_pow2(tokens), r_b)
+        return min(r_b, self.max_rows), min(n_b, self.max_tokens), min(_pow2(max_len), n_b)
+
+    def _graph(self, shape: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
+        g = self.graphs.get(shape)
         if g is None:
             # Warm up (Triton compiles on first launch) outside the capture, on a side stream.
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._forward(bucket, bucket, 1)
+                self._forward(*shape)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self._forward(bucket, bucket, 1)
-            self.graphs[bucket] = g
+            # One memory pool for all graphs: they never run at the same time.
+            with torch.cuda.graph(g, pool=self.pool):
+                self._forward(*shape)
+            self.graphs[shape] = g
         return g
 
-    def capture(self, buckets=GRAPH_BUCKETS) -> None:
-        """Capture decode graphs up front (start-up), so no request pays for a capture."""
+    def capture(self) -> None:
+        """Capture the decode graphs up front (start-up), so no request pays for those captures."""
         if self.use_graphs:
             with torch.inference_mode():
-                for bucket in buckets:
-                    if bucket <= min(self.max_rows, self.max_tokens):
-                        self._graph(bucket)
+                b = 1
+                while b <= min(self.max_rows, self.max_tokens):
+                    self._graph((b, b, 1))
+                    b *= 2
 
     @torch.inference_mode()
     def execute(self, sched, tables: np.ndarray, sampling: RowSampling) -> StepResult:
@@ -195,15 +207,18 @@ class GpuModelRunner:
             src = torch.from_numpy(sched.prop_src[: sched.num_prop]).to(self.device, non_blocking=True)
             dst = torch.from_numpy(sched.prop_dst[: sched.num_prop]).to(self.device, non_blocking=True)
             propagate_kv(self.kv_cache, src, dst)
-        bucket = next((b for b in GRAPH_BUCKETS if b >= r), 0) if self.use_graphs and n == r else 0
-        if bucket and bucket <= min(self.max_rows, self.max_tokens):
-            self._fill(sched, tables, bucket, bucket)
-            self._graph(bucket).replay()
+        shape = self._shape(r, n, int(sched.row_len[:r].max()))
+        self._fill(sched, tables, shape[0], shape[1])
+        if self.use_graphs and (shape in self.graphs or len(self.graphs) < MAX_GRAPHS):
+            self._graph(shape).replay()
         else:
-            self._fill(sched, tables, r, n)
-            self._forward(r, n, int(sched.row_len[:r].max()))
+            self._forward(*shape)
         if not (sched.row_exit_lo[:r] <= sched.row_loop[:r]).any():
             # No row may exit at this loop: nothing to read back, so do not wait for the device.
             return StepResult(np.zeros(r, np.uint8), np.zeros(r, np.int32))
         exited = self.exits[:r].to(torch.uint8).cpu().numpy()
         return sample_exited(self, sched, self.x_last[:r], exited, sampling)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
