@@ -194,6 +194,8 @@ class Engine:
         params.validate(self.num_loops)
         self._check_prompt(prompt_ids, params)
         lo, hi, q = params.exit_policy(self.num_loops, self.model_config.early_exit_threshold)
+        if q >= 1.0:
+            lo = hi  # never exits early: no exit check (and no device sync) before the last loop
         cap = len(prompt_ids) + params.max_tokens
         eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
         req = Request(request_id, -1, list(prompt_ids), params, eos | frozenset(params.stop_token_ids))

@@ -43,11 +43,12 @@ class _Staging:
         self.hosts = [torch.zeros(total, dtype=dtype, pin_memory=pin) for _ in range(2)]
         self.events = [torch.cuda.Event() if pin else None for _ in range(2)]
         self.device = torch.zeros(total, dtype=dtype, device=device)
-        self.views, self.dev, off = [{}, {}], {}, 0
+        self.views, self.dev, self.offset, off = [{}, {}], {}, {}, 0
         for k, shape in layout.items():
             for host, views in zip(self.hosts, self.views):
                 views[k] = host.numpy()[off : off + sizes[k]].reshape(shape)
             self.dev[k] = self.device[off : off + sizes[k]].view(shape)
+            self.offset[k] = off
             off += sizes[k]
         self.cur = 0
 
@@ -58,8 +59,10 @@ class _Staging:
             self.events[self.cur].synchronize()
         return self.views[self.cur]
 
-    def upload(self) -> None:
-        self.device.copy_(self.hosts[self.cur], non_blocking=True)
+    def upload(self, size: int | None = None) -> None:
+        """Copy the first `size` elements (all by default) to the device."""
+        size = self.device.numel() if size is None else size
+        self.device[:size].copy_(self.hosts[self.cur][:size], non_blocking=True)
         if self.events[self.cur] is not None:
             self.events[self.cur].record()
 
@@ -100,8 +103,8 @@ class GpuModelRunner:
         i64 = {"ids": tok, "pos": tok, "slot": tok, "hsrc": tok, "last": row, "prev_last": row, "store": row}
         self.i64 = _Staging(i64, torch.int64, device)
         self.i32 = _Staging(
-            {"bt": (r, mb), "q_start": row, "len": row, "tok_off": row, "loop": row, "lo": row, "hi": row,
-             "log1mq": row}, torch.int32, device,
+            {"q_start": row, "len": row, "tok_off": row, "loop": row, "lo": row, "hi": row, "log1mq": row,
+             "bt": (r, mb)}, torch.int32, device,
         )  # fmt: skip
         self.h_prev = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         self.ls_prev = torch.zeros(n + 1, dtype=torch.float32, device=device)
@@ -140,7 +143,8 @@ class GpuModelRunner:
         b["bt"][r:rows], b["q_start"][r:rows], b["len"][r:rows], b["tok_off"][r:rows] = -1, 0, 0, 0
         b["loop"][r:rows], b["lo"][r:rows], b["hi"][r:rows] = 0, 127, 127
         self.i64.upload()
-        self.i32.upload()
+        # The block tables come last: copy only the rows in use (a full table is ~1 MB).
+        self.i32.upload(self.i32.offset["bt"] + rows * b["bt"].shape[1])
 
     # ---- the step on the device -------------------------------------------------
 
