@@ -140,7 +140,7 @@ def test_paged_attention_reads_cache_through_kv_strides():
 
 
 def test_attention_config_depends_only_on_bounds():
-    assert attention_config(1, 1, 128) == {"BLOCK_Q": 1, "BLOCK_N": 64, "USE_DOT": False, "num_warps": 2}
+    assert attention_config(1, 1, 128) == {"BLOCK_Q": 1, "BLOCK_N": 32, "USE_DOT": False, "num_warps": 4}
     assert attention_config(1, 16, 128)["USE_DOT"] and attention_config(1, 16, 128)["BLOCK_Q"] == 1
     cfg = attention_config(100, 1, 128)
     assert cfg["USE_DOT"] and cfg["BLOCK_Q"] * 1 >= 16

@@ -136,9 +136,6 @@ def attention_config(max_q_len: int, group: int, head_dim: int) -> dict:
     """
     group_p2, d_p2 = next_pow2(group), next_pow2(head_dim)
     q_p2 = next_pow2(max_q_len)
-    if q_p2 * group_p2 == 1 and d_p2 <= 128:
-        # One query head per program (plain MHA decode): measured best on an H200 at contexts ~200.
-        return {"BLOCK_Q": 1, "BLOCK_N": 64, "USE_DOT": False, "num_warps": 2}
     if q_p2 * group_p2 <= 8:
         block_n = min(128, max(8, 4096 // (q_p2 * group_p2 * d_p2)))
         return {"BLOCK_Q": q_p2, "BLOCK_N": block_n, "USE_DOT": False, "num_warps": 4}
