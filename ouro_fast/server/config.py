@@ -37,6 +37,9 @@ class ServerConfig:
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     seed: int = 0
+    runner: str = "auto"  # "torch" (reference) or "triton" (kernels + CUDA graphs); auto: triton on CUDA
+    cuda_graphs: bool = True
+    refill: bool = True  # False: batches drain to their slowest row (for comparisons)
     api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
     max_body_bytes: int = 8 << 20
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
@@ -63,7 +66,8 @@ class ServerConfig:
         """Keyword arguments of ouro_fast.engine.engine.EngineConfig."""
         names = (
             "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
-            "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed",
+            "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
+            "cuda_graphs", "refill",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
@@ -90,10 +94,15 @@ class ServerConfig:
             raise ConfigError(f"{env_name('max_waiting')} must be >= 0, got {self.max_waiting}")
         if not 2 <= self.ring_capacity <= 1 << 30:
             raise ConfigError(f"{env_name('ring_capacity')} must be in [2, 2**30], got {self.ring_capacity}")
+        if self.runner not in ("auto", "torch", "triton"):
+            raise ConfigError(f"{env_name('runner')} must be auto, torch or triton, got {self.runner!r}")
         if self.shutdown_grace < 0 or self.response_timeout <= 0:
             raise ConfigError(
                 f"{env_name('shutdown_grace')} must be >= 0 and {env_name('response_timeout')} > 0"
             )
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def env_name(field_name: str) -> str:
@@ -102,6 +111,10 @@ def env_name(field_name: str) -> str:
 
 def _parse(name: str, type_name: str, raw: str):
     try:
+        if "bool" in type_name:
+            if raw.lower() not in _BOOLS:
+                raise ValueError(raw)
+            return _BOOLS[raw.lower()]
         if "tuple" in type_name:
             return tuple(part.strip() for part in raw.split(",") if part.strip())
         if "int" in type_name:
