@@ -1,0 +1,212 @@
+"""The loop scheduler's per-step cost: compiled core vs its uncompiled twin, in steady decode.
+
+One measured step is `schedule()` + `update()`; the fake runner between them
+(exit flags and sampled ids from numpy) is not timed. B requests with 128-token
+prompts are prefilled first; then each step carries B decode rows (one per
+request) at mixed loop indices. Extra requests wait in the queue (they cannot be
+admitted: every KV slot is taken), which is what a long queue costs per step.
+
+Depth policies of the fake runner: "full" (every token runs 4 loops) and
+"mixed" (a request's tokens cycle through depths 1, 2, 3, 4: mean 2.5).
+Per generated token = total scheduler time / tokens sampled; "per batch
+token" = the time to advance every row by one token (B tokens).
+
+Run: python -m bench.micro.scheduler [--quick] [--out bench/results/DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import time
+
+import numpy as np
+
+from bench.benchlib import ratio, start_run, summarize, write_result
+
+NUM_LOOPS = 4
+BLOCK_SIZE = 16
+PROMPT = 128
+NO_EXIT = 127
+
+
+def load(kind: str):
+    """(BlockTable, LoopScheduler) of the compiled core ("compiled"), the twin ("twin"), or
+    "candidate:MODULE": MODULE's LoopScheduler (e.g. a patched build on PYTHONPATH) over the
+    compiled BlockTable."""
+    if kind.startswith("candidate:"):
+        bt = importlib.import_module("ouro_fast.core.block_table")
+        return bt.BlockTable, importlib.import_module(kind.split(":", 1)[1]).LoopScheduler
+    pkg = "ouro_fast.core" if kind == "compiled" else "ouro_fast.core_py"
+    bt = importlib.import_module(f"{pkg}.block_table")
+    ls = importlib.import_module(f"{pkg}.loop_scheduler")
+    return bt.BlockTable, ls.LoopScheduler
+
+
+class FakeRunner:
+    """Exit flags and sampled ids for the scheduled rows, from per-request target depths."""
+
+    def __init__(self, max_requests: int, max_rows: int, policy: str):
+        self.policy = policy
+        self.depth = np.full(max_requests, NUM_LOOPS, np.int32)
+        if policy == "mixed":
+            self.depth[:] = 1 + np.arange(max_requests) % NUM_LOOPS
+        self.sampled = np.full(max_rows, 7, np.int32)
+        self.exited = np.zeros(max_rows, np.uint8)
+
+    def run(self, s) -> tuple[np.ndarray, np.ndarray]:
+        r = s.num_rows
+        live = s.row_exit_lo[:r] != NO_EXIT
+        want = np.minimum(self.depth[s.row_rid[:r]] - 1, s.row_exit_hi[:r])
+        self.exited[:r] = live & (s.row_loop[:r] >= want)
+        return self.exited, self.sampled
+
+    def after(self, s, events: int) -> None:
+        if self.policy == "mixed" and events:
+            rids = s.ev_rid[:events]
+            self.depth[rids] = 1 + self.depth[rids] % NUM_LOOPS
+
+
+def build(kind: str, batch: int, waiting: int, policy: str, steps: int):
+    """A scheduler with `batch` running requests past prefill and `waiting` queued ones."""
+    BlockTable, LoopScheduler = load(kind)
+    # Room for the prompt and every token the run can generate (at most one per step), at every loop.
+    cap = PROMPT + steps + 64
+    need = (cap + BLOCK_SIZE - 1) // BLOCK_SIZE
+    bt = BlockTable(batch * need * NUM_LOOPS, BLOCK_SIZE, NUM_LOOPS, batch, need)
+    sched = LoopScheduler(bt, batch + waiting, batch, max(2048, batch), True)
+    rng = np.random.default_rng(0)
+    for _ in range(batch):
+        sched.add(rng.integers(3, 1000, PROMPT, dtype=np.int32), cap, 1, NUM_LOOPS, 0.0)
+    runner = FakeRunner(batch + waiting, batch, policy)
+    # Prefill, then a few decode rounds so rows sit at mixed loops.
+    for _ in range(10_000):
+        if sched.schedule() == 0:
+            raise RuntimeError("the scheduler stalled during prefill")
+        ev = sched.update(*runner.run(sched))
+        runner.after(sched, ev)
+        if sched.num_step_tokens == sched.num_rows == batch:
+            break  # every row is one decode token
+    for _ in range(4 * NUM_LOOPS):
+        sched.schedule()
+        runner.after(sched, sched.update(*runner.run(sched)))
+    for _ in range(waiting):
+        sched.add(rng.integers(3, 1000, PROMPT, dtype=np.int32), PROMPT + 64, 1, NUM_LOOPS, 0.0)
+    return sched, runner
+
+
+def measure(kind: str, batch: int, waiting: int, policy: str, steps: int) -> dict:
+    sched, runner = build(kind, batch, waiting, policy, steps)
+    step_us, sched_us, upd_us = [], [], []
+    tokens = 0
+    rows = 0
+    gc.collect()
+    clock = time.perf_counter_ns
+    for _ in range(steps):
+        t0 = clock()
+        sched.schedule()
+        t1 = clock()
+        exited, sampled = runner.run(sched)
+        t2 = clock()
+        ev = sched.update(exited, sampled)
+        t3 = clock()
+        runner.after(sched, ev)
+        tokens += ev
+        rows += sched.num_rows
+        sched_us.append((t1 - t0) / 1e3)
+        upd_us.append((t3 - t2) / 1e3)
+        step_us.append((t1 - t0 + t3 - t2) / 1e3)
+    if sched.num_waiting != waiting or sched.num_running != batch:
+        raise RuntimeError("the measured window was not steady decode")
+    total = sum(step_us)
+    step = summarize(step_us)
+    return {
+        "impl": kind,
+        "batch": batch,
+        "waiting": waiting,
+        "policy": policy,
+        "steps": steps,
+        "rows_per_step": round(rows / steps, 2),
+        "tokens": tokens,
+        "steps_per_token": round(steps * batch / tokens, 3) if tokens else None,
+        "step_us": step,
+        "schedule_us": summarize(sched_us),
+        "update_us": summarize(upd_us),
+        # Per token from the median step (robust to a busy machine's outliers) and from the mean.
+        "us_per_token": round(step["p50"] * steps / tokens, 4) if tokens else None,
+        "us_per_batch_token": round(step["p50"] * steps / tokens * batch, 3) if tokens else None,
+        "mean_us_per_token": round(total / tokens, 4) if tokens else None,
+    }
+
+
+def steps_for(kind: str, batch: int, quick: bool) -> int:
+    if quick:
+        return 24
+    budget = 40_000 if kind == "twin" else 400_000  # row-steps per configuration
+    return max(200, min(4000, budget // batch))
+
+
+def run(
+    quick: bool = False,
+    batches=(1, 8, 64, 256),
+    waitings=(0, 10, 1000, 10000),
+    policies=("full", "mixed"),
+    candidate: str | None = None,
+):
+    """Every (batch, waiting, policy) for both builds, compiled and twin measured back to back
+    (and a candidate LoopScheduler module, when given, with no waiting requests)."""
+    if quick:
+        batches, waitings, policies = (1, 8), (0, 10), ("full",)
+    out = []
+    for policy in policies:
+        for batch in batches:
+            for waiting in waitings:
+                pair = {
+                    k: measure(k, batch, waiting, policy, steps_for(k, batch, quick))
+                    for k in ("compiled", "twin")
+                }
+                pair["compiled"]["twin_over_compiled"] = ratio(
+                    pair["twin"]["step_us"], pair["compiled"]["step_us"]
+                )
+                out += [pair["compiled"], pair["twin"]]
+                if candidate and waiting == 0:
+                    cand = measure(
+                        f"candidate:{candidate}", batch, 0, policy, steps_for("compiled", batch, quick)
+                    )
+                    cand["impl"] = f"candidate:{candidate}"
+                    cand["twin_over_candidate"] = ratio(pair["twin"]["step_us"], cand["step_us"])
+                    cand["compiled_over_candidate"] = ratio(pair["compiled"]["step_us"], cand["step_us"])
+                    out.append(cand)
+                    print(
+                        f"{policy:5s} batch {batch:4d}: candidate {cand['step_us']['p50']:9.2f} us/step, "
+                        f"{cand['us_per_token']:.3f} us/token; "
+                        f"twin/candidate {cand['twin_over_candidate']:.1f}x",
+                        flush=True,
+                    )
+                c = pair["compiled"]
+                print(
+                    f"{policy:5s} batch {batch:4d} waiting {waiting:5d}: "
+                    f"compiled {c['step_us']['p50']:9.2f} us/step "
+                    f"(p10 {c['step_us']['p10']:.2f}, p90 {c['step_us']['p90']:.2f}), "
+                    f"{c['us_per_token']:.3f} us/token; twin {pair['twin']['step_us']['p50']:9.1f} us/step; "
+                    f"twin/compiled {c['twin_over_compiled']:.1f}x",
+                    flush=True,
+                )
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="toy sizes (smoke test)")
+    p.add_argument("--out", default=None, help="result file or folder (JSON); default: print only")
+    p.add_argument("--candidate", default=None, help="also measure MODULE's LoopScheduler (a patched build)")
+    args = p.parse_args(argv)
+    meta = start_run()
+    res = run(args.quick, candidate=args.candidate)
+    write_result(meta, res, args.out, "scheduler")
+    return res
+
+
+if __name__ == "__main__":
+    main()

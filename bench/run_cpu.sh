@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Run every CPU benchmark of issue 5 into bench/results/NAME and write its summary.md
+# (about two minutes on 2 cores). Check `uptime` first: the numbers are only as quiet as the machine.
+#   bash bench/run_cpu.sh [NAME]
+# PYTHON: the project's interpreter (default python3); the vLLM scheduler runs in the client venv
+# (bench/setup_vllm_client.sh builds it on first use). CANDIDATE=1 also builds and measures the
+# proposed LoopScheduler patch (bench/proposals/loop_scheduler-fast-path.diff).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NAME=${1:-cpu-$(date -u +%Y%m%d-%H%M)}
+OUT=bench/results/$NAME
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+: > "$OUT/commands.txt"
+run() { echo "$*" >> "$OUT/commands.txt"; echo "+ $*" >&2; "$@"; }
+CLIENT=$(bash bench/setup_vllm_client.sh 2>/dev/null | tail -1)
+echo "start: $(uptime)" > "$OUT/uptime.txt"
+cand=()
+if [ -n "${CANDIDATE:-}" ]; then
+  dir=$(PYTHON=$PY bash bench/micro/build_candidate.sh 2>/dev/null)
+  export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
+  cand=(--candidate loop_scheduler_candidate)
+fi
+run "$PY" -m bench.micro.scheduler --out "$OUT" "${cand[@]}"
+run "$CLIENT/bin/python" -m bench.vllm_scheduler_bench --out "$OUT"
+run "$PY" -m bench.micro.block_table --out "$OUT"
+run "$PY" -m bench.micro.detok --out "$OUT"
+run "$PY" -m bench.micro.ring --out "$OUT"
+run "$PY" -m bench.micro.profile_scheduler --batch 256 --out "$OUT/scheduler_profile_twin.txt" > /dev/null
+run "$PY" -m bench.engine_bench --out "$OUT"
+# More requests than rows: here refill has waiting requests to start when exits free rows.
+run "$PY" -m bench.engine_bench --out "$OUT" --name engine_queue --num-requests 128 --max-num-seqs 32 --thresholds 1.0,0.5
+echo "end: $(uptime)" >> "$OUT/uptime.txt"
+run "$PY" -m bench.summarize "$OUT" > /dev/null
+echo "$OUT/summary.md"
