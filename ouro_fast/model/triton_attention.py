@@ -1,10 +1,11 @@
 """Paged attention backend on the Triton kernels: same call as PagedTorchAttention, tensor metadata.
 
 Per model call the runner sets `batch` (a TritonBatch of device tensors); every
-layer then costs two launches: the K/V write (fused with RoPE when the backend
-owns RoPE) and the paged attention. No per-layer host work, no device-to-host
-syncs, and launch grids that depend only on tensor shapes and max_q_len, so the
-call can be captured in a CUDA graph at fixed padded shapes.
+layer then costs the K/V write (fused with RoPE when the backend owns RoPE) and
+the paged attention (decode-only calls: a split-context launch and a merge). No
+per-layer host work, no device-to-host syncs, and launch grids that depend only
+on tensor shapes and max_q_len, so the call can be captured in a CUDA graph at
+fixed padded shapes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels import paged_attention, rope_cos_sin_table, rope_write_kv
+from ..kernels import paged_attention, paged_decode_attention, rope_cos_sin_table, rope_write_kv
 
 
 @dataclass
@@ -94,7 +95,9 @@ class TritonPagedAttention:
         positions = b.positions if self.applies_rope else None
         # Rotating in place is safe: q is a fresh projection output owned by this call.
         q = rope_write_kv(q, k, v, kc, vc, b.slot_mapping, positions, self.cos_sin, q_out=q)
-        return paged_attention(
-            q, kc, vc, b.block_tables, b.row_q_start, b.row_len, b.row_tok_off,
-            self.block_size, b.max_q_len, 1.0 / math.sqrt(q.shape[-1]),
-        )  # fmt: skip
+        meta = (b.block_tables, b.row_q_start, b.row_len, b.row_tok_off, self.block_size)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if b.max_q_len == 1:
+            # Decode-only call: split the context over more programs than rows x heads.
+            return paged_decode_attention(q, kc, vc, *meta, scale)
+        return paged_attention(q, kc, vc, *meta, b.max_q_len, scale)

@@ -1,0 +1,264 @@
+"""Split-KV ("flash-decoding") paged attention for rows of one query token each.
+
+A decode launch has few rows, so one program per (row, KV head) leaves most SMs idle
+while each walks the whole context. Here the context of every row is cut into
+NUM_SPLITS contiguous slices, one program each; each writes a partial softmax (max,
+sum, unnormalised P @ V) in fp32, and a second small kernel merges the slices.
+NUM_SPLITS and the scratch shapes depend only on the launch's shapes, so the pair of
+launches is CUDA-graph capturable; the slice LENGTH follows each row's context at run
+time (short contexts leave trailing slices empty).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from .rounding import round_to
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    o_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    q_start_ptr,
+    len_ptr,
+    tok_off_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    scale_log2,
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    # One program: one row, one KV head with its GROUP query heads, one slice of the context.
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if tl.load(len_ptr + row) == 0:
+        return
+    q_pos = tl.load(q_start_ptr + row)
+    tok = tl.load(tok_off_ptr + row).to(tl.int64)
+    kv_len = q_pos + 1
+    # Slices of whole BLOCK_N tiles: no program loads a tile that another also loads.
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+
+    offs_g = tl.arange(0, GROUP_P2)
+    g_valid = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, D_P2)
+    d_valid = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + tok * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+        mask=g_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+    # Finite stand-in for -inf: an empty slice keeps it, and the merge weighs it exp2(-1e30 - m) = 0.
+    m_i = tl.full([GROUP_P2], -1.0e30, tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, D_P2], tl.float32)
+    # An empty slice (start >= kv_len) runs no iteration and leaves m = -1e30, l = 0.
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        block = tl.load(bt_ptr + row * stride_bt + offs_n // PAGE, mask=n_valid, other=0)
+        slot = block.to(tl.int64) * PAGE + offs_n % PAGE
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        # The query sees every key up to its own position: only the slice end masks.
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale_log2
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        # One slice is the whole context: normalise and write the output, no merge launch.
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            o_ptr + tok * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+            round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
+            mask=g_valid[:, None] & d_valid[None, :],
+        )
+    else:
+        part = (row * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(m_ptr + part, m_i, mask=g_valid)
+        tl.store(l_ptr + part, l_i, mask=g_valid)
+        # An empty slice's acc is never read (the merge masks it by l > 0): skip the store.
+        if start < end:
+            tl.store(
+                acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                acc,
+                mask=g_valid[:, None] & d_valid[None, :],
+            )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    o_ptr,
+    len_ptr,
+    tok_off_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    stride_on,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    # One program: one row, one query head; combines its NUM_SPLITS partial softmaxes.
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    if tl.load(len_ptr + row) == 0:
+        return
+    tok = tl.load(tok_off_ptr + row).to(tl.int64)
+    base = (row * NUM_HEADS + head) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, D_P2)
+    d_valid = offs_d < HEAD_DIM
+    m_s = tl.load(m_ptr + base + offs_s)
+    l_s = tl.load(l_ptr + base + offs_s)
+    used = l_s > 0.0
+    acc_s = tl.load(
+        acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=used[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    w = tl.where(used, tl.exp2(m_s - tl.max(m_s, axis=0)), 0.0)
+    total = tl.sum(w * l_s, axis=0)
+    out = tl.sum(w[:, None] * acc_s, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        o_ptr + tok * stride_on + head * stride_oh + offs_d,
+        round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
+        mask=d_valid,
+    )
+
+
+def decode_config(rows: int, kv_heads: int, group: int, head_dim: int, max_context: int) -> dict:
+    """NUM_SPLITS, BLOCK_N and num_warps of a launch: a pure function of fixed shapes, never of contexts.
+
+    Aims at about 256 programs (two per SM of an H200) from rows x KV heads x splits,
+    with at most one split per BLOCK_N positions of the longest possible context.
+    """
+    group_p2, d_p2 = next_pow2(group), next_pow2(head_dim)
+    # The per-tile product q x K is GROUP_P2 x BLOCK_N x D fp32: keep it to 32 per thread at 4 warps.
+    block_n = min(64, max(16, 4096 // (group_p2 * d_p2)))
+    want = next_pow2(triton.cdiv(256, max(1, rows * kv_heads)))
+    num_splits = max(1, min(16, want, next_pow2(triton.cdiv(max_context, block_n))))
+    return {"NUM_SPLITS": num_splits, "BLOCK_N": block_n, "num_warps": 4}
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_q_start: torch.Tensor,
+    row_len: torch.Tensor,
+    row_tok_off: torch.Tensor,
+    block_size: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """paged_attention with max_q_len = 1, split over the context; returns out [N, Hq, D].
+
+    Same tensors and layout as paged_attention: row r's one query token is
+    q[row_tok_off[r]] at position row_q_start[r], attending to positions 0 .. that
+    position through block_tables[r]. A row with row_len 0 writes nothing (padding);
+    a longer row is computed for its first token only. Output rows of no row are
+    left untouched. Accumulates in fp32; the merge of the slices is exact up to fp32
+    rounding, so results match paged_attention to about 1e-6 relative in fp32.
+    config overrides keys of decode_config (NUM_SPLITS a power of two, BLOCK_N,
+    num_warps, merge_warps); the default depends on shapes only (rows, heads, and
+    max context = block_tables.shape[1] * block_size), so the launches can be
+    captured in a CUDA graph. With NUM_SPLITS > 1 it allocates an fp32 scratch of
+    R x Hq x NUM_SPLITS x (D + 2) and launches a merge kernel; with 1, a single launch.
+    """
+    check_float("q", q)
+    check_float("k_cache", k_cache)
+    check_float("v_cache", v_cache)
+    check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if hq % hkv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    r = block_tables.shape[0]
+    for name, t in (("row_q_start", row_q_start), ("row_len", row_len), ("row_tok_off", row_tok_off)):
+        if t.shape != (r,) or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [{r}], got {t.dtype} {tuple(t.shape)}")
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be int32 with a contiguous last dimension")
+    if out is None:
+        out = torch.empty_like(q)
+    check_float("out", out)
+    if r == 0 or n == 0:
+        return out
+    group = hq // hkv
+    cfg = decode_config(r, hkv, group, d, block_tables.shape[1] * block_size)
+    cfg.update(config or {})
+    splits = cfg["NUM_SPLITS"]
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"NUM_SPLITS must be a power of two, got {splits}")
+    merge_warps = cfg.pop("merge_warps", 1 if splits * next_pow2(d) <= 2048 else 4)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    # One allocation for acc [R, Hq, S, D], m and l [R, Hq, S]; a dummy when there is no merge.
+    parts = r * hq * splits if splits > 1 else 0
+    scratch = torch.empty(max(1, parts * (d + 2)), dtype=torch.float32, device=q.device)
+    acc, m, lsum = scratch[: parts * d], scratch[parts * d : parts * (d + 1)], scratch[parts * (d + 1) :]
+    interp = interpreting()
+    _decode_split_kernel[(r, hkv, splits)](
+        q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off, acc, m, lsum,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0),
+        NUM_HEADS=hq, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d, D_P2=next_pow2(d),
+        PAGE=block_size, INTERPRETED=interp, **cfg,
+    )  # fmt: skip
+    if splits > 1:
+        _decode_merge_kernel[(r, hq)](
+            out, row_len, row_tok_off, acc, m, lsum, out.stride(0), out.stride(1),
+            NUM_HEADS=hq, HEAD_DIM=d, D_P2=next_pow2(d), NUM_SPLITS=splits, INTERPRETED=interp,
+            num_warps=merge_warps,
+        )  # fmt: skip
+    return out
