@@ -1,0 +1,320 @@
+"""Skinny matmul for decode: out = x @ w.T for a few rows of x, reading the weight once.
+
+At decode a matmul has M = 1..16 rows and is bound by streaming the weight from
+HBM. Each program owns BLOCK_N output columns for ALL M rows and walks its share
+of K in BLOCK_K chunks, so the weight is read exactly once whatever M is. With
+SPLIT_K > 1, K is cut into SPLIT_K ranges (more programs in flight); their fp32
+partial tiles go to a workspace and are summed in a fixed order, either by the
+last program of each column tile to arrive (FUSED_REDUCE: one launch, an int32
+arrival counter per tile that the last program resets to zero) or by a second
+small kernel. Both orders are the same, so both give bit-identical results, and
+results do not depend on scheduling.
+
+Two inner products: USE_DOT runs tl.dot with the roles swapped (w tile
+[BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, 16]: rows padded to the tensor-core minimum,
+which costs nothing while the weight stream is the bound); otherwise a CUDA-core
+multiply-add into a [BLOCK_M, BLOCK_N, BLOCK_K] register tile reduced once at
+the end (for M = 1 or 2).
+
+Launch grids depend only on shapes and the config, so calls are CUDA-graph
+capturable; the counters are allocated on the first eager call (warm-up), never
+during capture. Calls that share the counters must be ordered (one stream).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from .rounding import round_to
+
+# Above this many rows the matmul is no longer weight-bound: cuBLAS (F.linear) takes over.
+SKINNY_MAX_M = 16
+# One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
+_MIN_COUNTERS = 8192
+# Measured configs keyed by (N, K, next_pow2(M)), pasted from bench/gpu/gemm_bench.py;
+# other shapes use default_config.
+TUNED_CONFIGS: dict[tuple[int, int, int], dict] = {}
+# Split-K factors the GPU benchmark sweeps for the Ouro-1.4B shapes (N, K): qkv, o_proj, gate_up, down.
+CANDIDATE_SPLITS: dict[tuple[int, int], tuple[int, ...]] = {
+    (6144, 2048): (1, 2, 4, 8),
+    (2048, 2048): (2, 4, 8, 16),
+    (11264, 2048): (1, 2, 4),
+    (2048, 5632): (4, 8, 16),
+}
+# (BLOCK_N, BLOCK_K, num_warps) of the tl.dot kernel that the benchmark sweeps.
+_DOT_TILES = ((64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 256, 4))
+
+
+@triton.jit
+def _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DOT_UPCAST: tl.constexpr):  # fmt: skip
+    # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_K, BLOCK_M] (x transposed); returns fp32 [BLOCK_M, BLOCK_N].
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs)
+        else:
+            k_ok = k + offs_k < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_UPCAST:
+            # The interpreter's numpy dot cannot take bf16; products of 16-bit floats are exact in fp32.
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return tl.trans(acc)
+
+
+@triton.jit
+def _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_M, BLOCK_K]; returns fp32 [BLOCK_M, BLOCK_N].
+    # Products accumulate elementwise; the cross-thread sum over K happens once, after the loop.
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            k_ok = k + offs_k < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    o_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    # One program: BLOCK_N output columns of every row, over K range pid_k.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Out-of-range rows and columns re-read valid ones (stores are masked), so loads need no N/M mask.
+    w_rows = (offs_n % N).to(tl.int64)
+    x_rows = tl.minimum(offs_m, M - 1)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    if USE_DOT:
+        x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
+        acc = _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
+                           DOT_PRECISION, DOT_UPCAST)  # fmt: skip
+    else:
+        x_ptrs = x_ptr + x_rows[:, None] * stride_xm + (k_start + offs_k)[None, :]
+        acc = _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K)
+
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    o_ptrs = o_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(o_ptrs, round_to(acc, o_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    else:
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=mask)
+        if FUSED_REDUCE:
+            # Every thread's partial is stored before the (release) arrival is counted.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    # .cg: read L2, never a stale L1 line.
+                    total += tl.load(ws_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(o_ptrs, round_to(total, o_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+                # Ready for the next launch: every program of this tile has arrived.
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+@triton.jit
+def _split_reduce_kernel(ws_ptr, o_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                         INTERPRETED: tl.constexpr):  # fmt: skip
+    # Sums the SPLIT_K partials of one row in the same order as the fused reduction.
+    row = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(ws_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
+    tl.store(o_ptr + row * stride_om + offs, round_to(total, o_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+def default_config(n: int, k: int, m: int, num_sms: int = 132) -> dict:
+    """A shape-only config: tl.dot on 64 x 128 weight tiles, K split until ~2 programs per SM.
+
+    Each K range keeps at least two BLOCK_K chunks so the loads still pipeline.
+    """
+    block_n, block_k = 64, 128
+    tiles, split = triton.cdiv(n, block_n), 1
+    while tiles * split < 2 * num_sms and k // (2 * split) >= 2 * block_k:
+        split *= 2
+    return {
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "SPLIT_K": split,
+        "USE_DOT": True,
+        "FUSED_REDUCE": True,
+        "num_warps": 4,
+        "num_stages": 3,
+    }
+
+
+def skinny_config(n: int, k: int, m: int, num_sms: int = 132) -> dict:
+    """The config skinny_linear uses for w [n, k] and m rows: TUNED_CONFIGS, else default_config."""
+    return TUNED_CONFIGS.get((n, k, next_pow2(m))) or default_config(n, k, m, num_sms)
+
+
+def candidate_configs(n: int, k: int, m: int) -> list[dict]:
+    """Configs for the GPU benchmark to sweep at this shape, without repeats: default_config, tl.dot
+    tiles x splits x stages, the second-pass reduction for the first tile, for m <= 2 the CUDA-core kernel."""
+    splits = CANDIDATE_SPLITS.get((n, k)) or tuple(s for s in (1, 2, 4, 8, 16) if s == 1 or k // s >= 256)
+    out = [default_config(n, k, m)]
+    for split in splits:
+        for i, (block_n, block_k, warps) in enumerate(_DOT_TILES):
+            for stages in (2, 4):
+                cfg = _config(block_n, block_k, split, True, True, warps, stages)
+                out.append(cfg)
+                if split > 1 and i == 0:
+                    out.append({**cfg, "FUSED_REDUCE": False})
+        if m <= 2:
+            # CUDA-core tiles of 8,192 products: 64 fp32 accumulators per thread at 4 warps.
+            bm = next_pow2(m)
+            for block_n in (16, 32, 64):
+                block_k = min(1024, max(64, 8192 // (bm * block_n)))
+                for stages in (1, 3):
+                    out.append(_config(block_n, block_k, split, False, True, 4, stages))
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def _config(block_n, block_k, split, use_dot, fused, warps, stages) -> dict:
+    return {
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "SPLIT_K": split,
+        "USE_DOT": use_dot,
+        "FUSED_REDUCE": fused,
+        "num_warps": warps,
+        "num_stages": stages,
+    }
+
+
+def skinny_linear(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None
+) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T -> out [M, N] in x's dtype, fp32 accumulation, rounded once.
+
+    x, w (and out) share one dtype (bf16, fp16 or fp32), each with a contiguous last
+    dimension (any row stride: x may be a column slice, out a view into a wider
+    buffer). M <= SKINNY_MAX_M runs the Triton kernel with skinny_config; larger M
+    falls back to cuBLAS (F.linear / torch.matmul). An explicit `config` runs the
+    kernel at any M (for benchmarks). Deterministic: the same inputs give the same
+    bits, whatever the scheduling.
+    """
+    check_float("x", x)
+    check_float("w", w)
+    check_same_dtype(x=x, w=w)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"need x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    m, k = x.shape
+    n = w.shape[0]
+    if out is not None:
+        check_float("out", out)
+        check_same_dtype(x=x, out=out)
+        if out.shape != (m, n):
+            raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
+    if m > SKINNY_MAX_M and config is None:
+        return F.linear(x, w) if out is None else torch.matmul(x, w.t(), out=out)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = config or skinny_config(n, k, m, _num_sms(x.device))
+    _launch(x, w, out, cfg)
+    return out
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
+    (m, k), n = x.shape, w.shape[0]
+    block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    use_dot, fused = cfg["USE_DOT"], cfg["FUSED_REDUCE"]
+    # tl.dot needs every dimension >= 16; the padding rows are clamped re-reads, never stored.
+    block_m = max(16, next_pow2(m)) if use_dot else next_pow2(m)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    n_tiles = triton.cdiv(n, block_n)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = _counters(x.device, n_tiles) if split > 1 and fused else out
+    interp = interpreting()
+    _skinny_kernel[(n_tiles, split)](
+        x, w, out, ws, counters, m, n, k, k_per_split, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % block_k == 0,
+        USE_DOT=use_dot, FUSED_REDUCE=fused,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, INTERPRETED=interp,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if split > 1 and not fused:
+        block = min(1024, next_pow2(n))
+        _split_reduce_kernel[(triton.cdiv(n, block), m)](
+            ws, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, INTERPRETED=interp, num_warps=4
+        )
+
+
+# Per device: the arrival counters (all zero between launches). Replaced buffers stay referenced,
+# since a captured CUDA graph may still point at them.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(device: torch.device, n_tiles: int) -> torch.Tensor:
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n_tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "skinny_linear: run each split-K shape once before CUDA-graph capture (it allocates counters)"
+            )
+        bufs.append(torch.zeros(max(_MIN_COUNTERS, n_tiles), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
