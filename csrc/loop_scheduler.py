@@ -17,8 +17,10 @@ Depths are remembered so that a preempted request can be recomputed exactly
 propagated copy, as in the original run).
 
 Memory policy: blocks are allocated when a row starts at loop 0 (all loops of
-its positions at once). When the pool runs dry, the youngest running request is
-preempted (its blocks freed, recomputed later), so the oldest always progresses.
+its positions at once). When the pool runs dry, a request preempts the youngest
+(by arrival) running requests with no row in flight (their blocks freed, recomputed
+later); it never preempts itself or an older request, and waits instead, so the
+oldest always progresses.
 
 Compiled as ouro_fast.core.loop_scheduler; importable uncompiled as
 ouro_fast.core_py.loop_scheduler (the twin).
@@ -69,7 +71,7 @@ class LoopScheduler:
     _num_free_rids: cython.int
     _free_slots: cython.int[:]
     _num_free_slots: cython.int
-    _running: cython.int[:]  # rids holding a KV slot, in admission order
+    _running: cython.int[:]  # rids holding a KV slot, oldest arrival first
     _num_running: cython.int
     _waiting: cython.int[:]  # ring of rids, head = next to admit
     _wait_head: cython.int
@@ -244,6 +246,8 @@ class LoopScheduler:
             raise ValueError(f"{cap_tokens} tokens need more KV blocks than the whole pool holds")
         if cap_tokens > self.bt.max_blocks_per_seq * self.bt.block_size:
             raise ValueError(f"{cap_tokens} tokens exceed the per-request block table")
+        if not 1 <= min_loops <= max_loops <= self.num_loops:
+            raise ValueError(f"bad exit window: min_loops {min_loops}, max_loops {max_loops}, T {self.num_loops}")
         if self._num_free_rids == 0:
             raise OverflowError("the scheduler holds max_requests requests already")
         self._num_free_rids -= 1
@@ -427,7 +431,12 @@ class LoopScheduler:
         slot = self._free_slots[self._num_free_slots]
         self._kv_slot[rid] = slot
         self._status[rid] = RUNNING
-        self._running[self._num_running] = rid
+        # Arrival order, not admission order: a readmitted request keeps its seniority.
+        i: cython.int = self._num_running
+        while i > 0 and self._arrival[self._running[i - 1]] > self._arrival[rid]:
+            self._running[i] = self._running[i - 1]
+            i -= 1
+        self._running[i] = rid
         self._num_running += 1
 
     # ---- the step ------------------------------------------------------------
@@ -470,7 +479,6 @@ class LoopScheduler:
         k: cython.int = 0
         rid: cython.int
         n: cython.int
-        got: cython.int
         while k < self._num_running and r < self.max_rows and off < self.max_tokens:
             rid = self._running[k]
             k += 1
@@ -478,11 +486,7 @@ class LoopScheduler:
             if self._row_loop[rid] >= 0 or n <= 0 or (n > 1) != prefill:
                 continue
             n = self._chunk_len(rid, self.max_tokens - off)
-            got = self._reserve(rid, self._num_done[rid] + n, k - 1)
-            if got < 0:
-                k -= 1  # it preempted itself: the list shifted left under it
-                continue
-            if got == 0:
+            if not self._reserve(rid, self._num_done[rid] + n, k - 1):
                 continue  # no younger idle request to preempt: wait for in-flight rows to finish
             self._start_row(rid, n)
             off += self._emit_row(r, rid, off, False)
@@ -490,28 +494,28 @@ class LoopScheduler:
         return r, off
 
     @cython.cfunc
-    def _reserve(self, rid: cython.int, end: cython.int, index: cython.int) -> cython.int:
-        """Blocks for positions [0, end): 1 if done; 0 to wait; -1 if the request preempted itself.
+    def _reserve(self, rid: cython.int, end: cython.int, index: cython.int) -> cython.bint:
+        """Blocks for positions [0, end): True if done, False to wait.
 
         Victims are the youngest running requests with no row in flight, never one
-        already in this step's batch (its blocks are about to be written).
+        already in this step's batch (its blocks are about to be written), never the
+        requester itself nor an older one: preempting itself while younger rows are in
+        flight can livelock two requests that only fit the pool one at a time.
         """
         k: cython.int
         victim: cython.int
         while not self.bt.allocate(self._kv_slot[rid], end):
             victim = -1
             k = self._num_running - 1
-            while k >= index:
+            while k > index:
                 if self._row_loop[self._running[k]] < 0:
                     victim = self._running[k]
                     break
                 k -= 1
             if victim < 0:
-                return 0
+                return False
             self._preempt(victim)
-            if victim == rid:
-                return -1
-        return 1
+        return True
 
     @cython.cfunc
     def _admit_waiting(self, r: cython.int, off: cython.int):
