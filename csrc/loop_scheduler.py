@@ -247,7 +247,7 @@ class LoopScheduler:
         if cap_tokens > self.bt.max_blocks_per_seq * self.bt.block_size:
             raise ValueError(f"{cap_tokens} tokens exceed the per-request block table")
         if not 1 <= min_loops <= max_loops <= self.num_loops:
-            raise ValueError(f"bad exit window: min_loops {min_loops}, max_loops {max_loops}, T {self.num_loops}")
+            raise ValueError(f"bad exit window: loops {min_loops}..{max_loops} of {self.num_loops}")
         if self._num_free_rids == 0:
             raise OverflowError("the scheduler holds max_requests requests already")
         self._num_free_rids -= 1
