@@ -97,7 +97,8 @@ def _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK
     return tl.sum(acc, axis=2)
 
 
-@triton.jit
+# M is not specialised (M == 1, M % 16 == 0 would each compile the kernel again).
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr,
     w_ptr,
