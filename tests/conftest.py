@@ -1,6 +1,17 @@
-"""Suite-wide settings: tiny models on a 2-core machine run fastest single-threaded."""
+"""Suite-wide settings: tiny models on a 2-core machine run fastest single-threaded.
+
+The repository root goes at the END of sys.path: `tests.*` and `bench.*` import
+from it, while `ouro_fast` still comes from the installed package (the source
+tree alone lacks the compiled core).
+"""
 
 import os
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
