@@ -86,6 +86,17 @@ def check_against_reference(got, q, kc, vc, meta, block_size, dtype):
     assert len(untouched) >= 2 and bool((got[untouched] == 7.0).all())
 
 
+@pytest.fixture
+def nan_scratch():
+    """torch.empty returns NaN-filled memory: unwritten scratch that the merge reads would show."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    assert torch.utils.deterministic.fill_uninitialized_memory
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.usefixtures("nan_scratch")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("hq, hkv", [(2, 2), (4, 2)], ids=["mha", "gqa2"])
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -107,6 +118,7 @@ def test_decode_matches_reference_and_paged_attention(dtype, hq, hkv, block_size
     ],
     ids=["one-split", "sixteen-splits", "gqa3-d48", "default-ouro-heads"],
 )
+@pytest.mark.usefixtures("nan_scratch")
 def test_decode_split_counts_and_shapes(config, hq, hkv, d):
     contexts = [1, 0, 17, 100] if d < 128 else [1, 0, 70]
     q, kc, vc, meta = decode_case(contexts, 4, hq, hkv, d, torch.float32, seed=d + hq)

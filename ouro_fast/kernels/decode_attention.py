@@ -58,10 +58,12 @@ def _decode_split_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if tl.load(len_ptr + row) == 0:
-        return
+    # All three loads before the branch: one memory round trip, not two.
+    n_q = tl.load(len_ptr + row)
     q_pos = tl.load(q_start_ptr + row)
     tok = tl.load(tok_off_ptr + row).to(tl.int64)
+    if n_q == 0:
+        return
     kv_len = q_pos + 1
     # Slices of whole BLOCK_N tiles: no program loads a tile that another also loads.
     split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -146,21 +148,21 @@ def _decode_merge_kernel(
     # One program: one row, one query head; combines its NUM_SPLITS partial softmaxes.
     row = tl.program_id(0)
     head = tl.program_id(1)
-    if tl.load(len_ptr + row) == 0:
-        return
-    tok = tl.load(tok_off_ptr + row).to(tl.int64)
     base = (row * NUM_HEADS + head) * NUM_SPLITS
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, D_P2)
     d_valid = offs_d < HEAD_DIM
+    # Every load is independent of the others (one round trip); a padding row's are unused garbage.
+    n_q = tl.load(len_ptr + row)
+    tok = tl.load(tok_off_ptr + row).to(tl.int64)
     m_s = tl.load(m_ptr + base + offs_s)
     l_s = tl.load(l_ptr + base + offs_s)
+    acc_s = tl.load(acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=d_valid[None, :])
+    if n_q == 0:
+        return
     used = l_s > 0.0
-    acc_s = tl.load(
-        acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=used[:, None] & d_valid[None, :],
-        other=0.0,
-    )
+    # Empty slices' acc was never written: select it away (a product would keep a NaN there).
+    acc_s = tl.where(used[:, None], acc_s, 0.0)
     w = tl.where(used, tl.exp2(m_s - tl.max(m_s, axis=0)), 0.0)
     total = tl.sum(w * l_s, axis=0)
     out = tl.sum(w[:, None] * acc_s, axis=0) / tl.where(total > 0.0, total, 1.0)
