@@ -65,7 +65,7 @@ def _decode_split_kernel(
     if n_q == 0:
         return
     kv_len = q_pos + 1
-    # Slices of whole BLOCK_N tiles: no program loads a tile that another also loads.
+    # Slices of whole BLOCK_N tiles: only the last tile of a row is partly masked.
     split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
@@ -176,13 +176,14 @@ def _decode_merge_kernel(
 def decode_config(rows: int, kv_heads: int, group: int, head_dim: int, max_context: int) -> dict:
     """NUM_SPLITS, BLOCK_N and num_warps of a launch: a pure function of fixed shapes, never of contexts.
 
-    Aims at about 256 programs (two per SM of an H200) from rows x KV heads x splits,
-    with at most one split per BLOCK_N positions of the longest possible context.
+    Aims at about 1024 programs from rows x KV heads x splits (an H200 keeps ~16
+    four-warp programs per SM resident, so short slices all run at once), with at
+    most one split per BLOCK_N positions of the longest possible context.
     """
     group_p2, d_p2 = next_pow2(group), next_pow2(head_dim)
     # The per-tile product q x K is GROUP_P2 x BLOCK_N x D fp32: keep it to 32 per thread at 4 warps.
     block_n = min(64, max(16, 4096 // (group_p2 * d_p2)))
-    want = next_pow2(triton.cdiv(256, max(1, rows * kv_heads)))
+    want = next_pow2(triton.cdiv(1024, max(1, rows * kv_heads)))
     num_splits = max(1, min(16, want, next_pow2(triton.cdiv(max_context, block_n))))
     return {"NUM_SPLITS": num_splits, "BLOCK_N": block_n, "num_warps": 4}
 
