@@ -27,6 +27,16 @@ run "$PY" -m bench.micro.block_table --out "$OUT"
 run "$PY" -m bench.micro.detok --out "$OUT"
 run "$PY" -m bench.micro.ring --out "$OUT"
 run "$PY" -m bench.micro.profile_scheduler --batch 256 --out "$OUT/scheduler_profile_twin.txt" > /dev/null
+if command -v perf > /dev/null; then
+  # Where the compiled core's step goes, by C symbol and grouped by cause (batch 256, steady decode).
+  tmp=$(mktemp -d)
+  run perf record -q -e cpu-clock -F 4000 -o "$tmp/perf.data" -- "$PY" -m bench.micro.profile_scheduler --mode loop --batch 256 --seconds 5 > /dev/null
+  perf report -i "$tmp/perf.data" --no-children --sort dso,symbol 2> /dev/null > "$tmp/report.txt"
+  grep -E '^ +[0-9]' "$tmp/report.txt" > "$tmp/top.txt" || true
+  head -n 40 "$tmp/top.txt" > "$OUT/scheduler_perf_compiled.txt"
+  run "$PY" -m bench.micro.profile_scheduler --mode group --perf-report "$tmp/report.txt" --out "$OUT/scheduler_perf_grouped.txt" > /dev/null
+  rm -rf "$tmp"
+fi
 run "$PY" -m bench.engine_bench --out "$OUT"
 # More requests than rows: here refill has waiting requests to start when exits free rows.
 run "$PY" -m bench.engine_bench --out "$OUT" --name engine_queue --num-requests 128 --max-num-seqs 32 --thresholds 1.0,0.5

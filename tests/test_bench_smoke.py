@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[1]  # on sys.path (appended) by conftest.py
 
 from bench import benchlib, engine_bench, summarize  # noqa: E402
 from bench.micro import block_table, detok, ring, scheduler  # noqa: E402

@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 DEST=${CANDIDATE_DIR:-/tmp/ouro_fast-sched-candidate}
 mkdir -p "$DEST/csrc"
 cp csrc/loop_scheduler.py "$DEST/csrc/loop_scheduler.py"
-(cd "$DEST" && patch -s -p1 < "$OLDPWD/$DIFF")
+(cd "$DEST" && patch -s --fuzz=0 -p1 < "$OLDPWD/$DIFF")  # no fuzz: a stale diff fails here
 cp "$DEST/csrc/loop_scheduler.py" "$DEST/loop_scheduler_candidate.py"
 (cd "$DEST" && "$PY" - >&2 <<'PY'
 from Cython.Build import cythonize
