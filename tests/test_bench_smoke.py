@@ -47,7 +47,7 @@ def results(tmp_path_factory) -> Path:
 def load(folder: Path, name: str) -> dict:
     doc = json.loads((folder / f"{name}.json").read_text())
     assert doc["machine"]["cores"] >= 1 and len(doc["machine"]["loadavg"]) == 3
-    assert doc["commit"] and "bench" in doc["command"]
+    assert doc["commit"] and doc["command"]  # recorded, whatever launched it
     return doc["results"]
 
 
