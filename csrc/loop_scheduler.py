@@ -65,8 +65,18 @@ class LoopScheduler:
     _min_loops: cython.int[:]
     _max_loops: cython.int[:]
     _log1mq: cython.float[:]
-    _tokens: list
+    _tokens: list  # per rid: a parked array, or (while it holds a KV slot) a view of its slot's row
     _depths: list
+    # Tokens and depths of the requests holding KV, one row per slot: the hot paths index these
+    # instead of acquiring a memoryview of a per-request array for every row.
+    _slot_tok_arr: object
+    _slot_dep_arr: object
+    _stok: cython.int[:, :]
+    _sdep: cython.schar[:, :]
+    # The block table's live arrays (mutated in place, never reallocated): slot mappings inline.
+    _tables: cython.int[:, :, :]
+    _counts: cython.int[:]
+    _bs: cython.int
     _free_rids: cython.int[:]
     _num_free_rids: cython.int
     _free_slots: cython.int[:]
@@ -82,11 +92,8 @@ class LoopScheduler:
     _pend_pos: cython.int[:]
     _pend_loop: cython.int[:]
     _pend_epoch: cython.int[:]
-    _pend_slot: cython.int[:]
-    _pend_slot_arr: object
-    _pend_pos_arr: object
-    _pend_loop_arr: object
     _num_pend: cython.int
+    _off: cython.int  # tokens placed so far in the step being scheduled
     _epoch: cython.int[:]  # bumped when a request loses its KV, so stale propagation is dropped
 
     # Step outputs (read-only for the caller, valid until the next call).
@@ -170,6 +177,12 @@ class LoopScheduler:
         self._log1mq = np.zeros(max_requests, dtype=np.float32)
         self._tokens = [None] * max_requests
         self._depths = [None] * max_requests
+        max_len = block_table.max_blocks_per_seq * block_table.block_size
+        self._slot_tok_arr = np.zeros((max_rows, max_len), dtype=np.int32)
+        self._slot_dep_arr = np.zeros((max_rows, max_len), dtype=np.int8)
+        self._stok, self._sdep = self._slot_tok_arr, self._slot_dep_arr
+        self._tables, self._counts = block_table.tables, block_table.num_blocks_of
+        self._bs = block_table.block_size
         self._free_rids = np.arange(max_requests - 1, -1, -1, dtype=np.int32)
         self._num_free_rids = max_requests
         self._free_slots = np.arange(max_rows - 1, -1, -1, dtype=np.int32)
@@ -181,13 +194,8 @@ class LoopScheduler:
         self._wait_count = 0
         self._num_waiting = 0
         pend = max_tokens + max_rows
-        self._pend_slot_arr, self._pend_pos_arr, self._pend_loop_arr = i32(pend), i32(pend), i32(pend)
         self._pend_rid, self._pend_epoch = i32(pend), i32(pend)
-        self._pend_slot, self._pend_pos, self._pend_loop = (
-            self._pend_slot_arr,
-            self._pend_pos_arr,
-            self._pend_loop_arr,
-        )
+        self._pend_pos, self._pend_loop = i32(pend), i32(pend)
         self._epoch = i32(max_requests)
         self._num_pend = 0
         self._alloc_outputs()
@@ -277,7 +285,7 @@ class LoopScheduler:
         if self._status[rid] == WAITING:
             self._wait_remove(rid)
         else:
-            self._release_slot(rid)
+            self._release_slot(rid, False)
         self._status[rid] = FREE
         self._tokens[rid] = None
         self._depths[rid] = None
@@ -336,10 +344,14 @@ class LoopScheduler:
         self._wait_count = j
 
     @cython.cfunc
-    def _release_slot(self, rid: cython.int) -> cython.void:
+    def _release_slot(self, rid: cython.int, keep: cython.bint) -> cython.void:
+        """Free the request's KV slot; keep: park a copy of its tokens (it will be recomputed)."""
         i: cython.int
         j: cython.int = 0
         slot: cython.int = self._kv_slot[rid]
+        if keep:
+            self._tokens[rid] = np.array(self._tokens[rid])
+            self._depths[rid] = np.array(self._depths[rid])
         self._epoch[rid] += 1
         self.bt.free(slot)
         self._free_slots[self._num_free_slots] = slot
@@ -355,7 +367,7 @@ class LoopScheduler:
     @cython.cfunc
     def _preempt(self, rid: cython.int) -> cython.void:
         """Free a running request's KV and queue it first for recomputation."""
-        self._release_slot(rid)
+        self._release_slot(rid, True)
         self._num_done[rid] = 0
         self._status[rid] = WAITING
         self._wait_push(rid, True)
@@ -372,14 +384,14 @@ class LoopScheduler:
         i: cython.int
         d: cython.int
         start: cython.int = self._num_done[rid]
-        depth: cython.schar[:] = self._depths[rid]
+        slot: cython.int = self._kv_slot[rid]
         deepest: cython.int = 0
         live: cython.int = 1 if start + length == self._num_tokens[rid] else 0
         for i in range(start, start + length - live):
-            d = depth[i]
+            d = self._sdep[slot, i]
             if d > deepest:
                 deepest = d
-        if live and depth[start + length - 1] != 0:
+        if live and self._sdep[slot, start + length - 1] != 0:
             deepest = self.num_loops  # a prompt token samples but still runs every loop
         self._row_loop[rid] = 0
         self._row_start[rid] = start
@@ -392,13 +404,15 @@ class LoopScheduler:
         """Write row r's per-row and per-token outputs; returns the token count."""
         i: cython.int
         pos: cython.int
+        d: cython.int
+        blk: cython.int
         loop: cython.int = self._row_loop[rid]
         start: cython.int = self._row_start[rid]
         n: cython.int = self._row_len[rid]
-        depth: cython.schar[:] = self._depths[rid]
-        toks: cython.int[:] = self._tokens[rid]
+        slot: cython.int = self._kv_slot[rid]
+        bs: cython.int = self._bs
         self._o_rid[r] = rid
-        self._o_slot[r] = self._kv_slot[rid]
+        self._o_slot[r] = slot
         self._o_loop[r] = loop
         self._o_start[r] = start
         self._o_len[r] = n
@@ -411,15 +425,18 @@ class LoopScheduler:
             self._o_lo[r] = NO_EXIT
             self._o_hi[r] = NO_EXIT
         self._o_q[r] = self._log1mq[rid]
-        self.bt.fill_slot_mapping(self._kv_slot[rid], loop, start, n, self._o_map, off)
         for i in range(n):
             pos = start + i
             self._o_pos[off + i] = pos
-            self._o_ids[off + i] = toks[pos]
+            self._o_ids[off + i] = self._stok[slot, pos]
             self._o_hsrc[off + i] = self._row_prev_off[rid] + i if prev else -1
+            d = self._sdep[slot, pos]
             # Past its depth a token's K/V at this plane is a propagated copy: do not overwrite it.
-            if depth[pos] != 0 and depth[pos] <= loop:
+            if d != 0 and d <= loop:
                 self._o_map[off + i] = -1
+            else:
+                blk = self._tables[slot, loop, pos // bs]
+                self._o_map[off + i] = cython.cast(cython.longlong, blk) * bs + pos % bs
         self._row_prev_off[rid] = off
         return n
 
@@ -438,6 +455,18 @@ class LoopScheduler:
             i -= 1
         self._running[i] = rid
         self._num_running += 1
+
+    @cython.cfunc
+    def _load_slot(self, rid: cython.int) -> cython.void:
+        """Move an admitted request's tokens and depths into its slot's row (once per admission)."""
+        slot: cython.int = self._kv_slot[rid]
+        n: cython.int = self._num_tokens[rid]
+        cap: cython.int = self._cap[rid]
+        self._slot_tok_arr[slot, :n] = self._tokens[rid][:n]
+        self._slot_dep_arr[slot, :n] = self._depths[rid][:n]
+        self._slot_dep_arr[slot, n:cap] = 0  # a generated token's depth is 0 until it exits
+        self._tokens[rid] = self._slot_tok_arr[slot, :cap]
+        self._depths[rid] = self._slot_dep_arr[slot, :cap]
 
     # ---- the step ------------------------------------------------------------
 
@@ -463,9 +492,11 @@ class LoopScheduler:
         # 2. Refill the rows that exits freed, unless the batch must drain first.
         if self.refill or r == 0:
             cont: cython.int = r
-            r, off = self._start_running_rows(r, off, 0)
-            r, off = self._start_running_rows(r, off, 1)
-            r, off = self._admit_waiting(r, off)
+            self._off = off
+            r = self._start_running_rows(r, 0)
+            r = self._start_running_rows(r, 1)
+            r = self._admit_waiting(r)
+            off = self._off
             if cont > 0:
                 self.num_refills = r - cont
         self.num_rows = r
@@ -474,9 +505,10 @@ class LoopScheduler:
         return r
 
     @cython.cfunc
-    def _start_running_rows(self, r: cython.int, off: cython.int, prefill: cython.bint):
+    def _start_running_rows(self, r: cython.int, prefill: cython.bint) -> cython.int:
         """New loop-0 rows for running requests without one: decode tokens, or (prefill) longer chunks."""
         k: cython.int = 0
+        off: cython.int = self._off
         rid: cython.int
         n: cython.int
         while k < self._num_running and r < self.max_rows and off < self.max_tokens:
@@ -491,7 +523,8 @@ class LoopScheduler:
             self._start_row(rid, n)
             off += self._emit_row(r, rid, off, False)
             r += 1
-        return r, off
+        self._off = off
+        return r
 
     @cython.cfunc
     def _reserve(self, rid: cython.int, end: cython.int, index: cython.int) -> cython.bint:
@@ -504,6 +537,8 @@ class LoopScheduler:
         """
         k: cython.int
         victim: cython.int
+        if self._counts[self._kv_slot[rid]] * self._bs >= end:
+            return True  # already covered: the common decode case, without a Python-level call
         while not self.bt.allocate(self._kv_slot[rid], end):
             victim = -1
             k = self._num_running - 1
@@ -518,8 +553,9 @@ class LoopScheduler:
         return True
 
     @cython.cfunc
-    def _admit_waiting(self, r: cython.int, off: cython.int):
+    def _admit_waiting(self, r: cython.int) -> cython.int:
         """Admit waiting requests in order while rows, tokens, slots and blocks allow (no preemption)."""
+        off: cython.int = self._off
         rid: cython.int
         n: cython.int
         while self._wait_count > 0 and r < self.max_rows and off < self.max_tokens:
@@ -529,15 +565,17 @@ class LoopScheduler:
             n = self._chunk_len(rid, self.max_tokens - off)
             self._admit(rid)
             if not self.bt.allocate(self._kv_slot[rid], n):
-                self._release_slot(rid)
+                self._release_slot(rid, False)  # nothing was loaded into the slot yet
                 self._status[rid] = WAITING
                 break
+            self._load_slot(rid)
             self._wait_pop()
             self._num_waiting -= 1
             self._start_row(rid, n)
             off += self._emit_row(r, rid, off, False)
             r += 1
-        return r, off
+        self._off = off
+        return r
 
     @cython.cfunc
     def _wait_pop(self) -> cython.void:
@@ -546,20 +584,34 @@ class LoopScheduler:
 
     @cython.cfunc
     def _emit_propagation(self) -> cython.void:
-        """Turn pending exits into (src, dst) slot pairs, for requests that still hold their KV."""
+        """Turn pending exits into (src, dst) slot pairs, for requests that still hold their KV.
+
+        Same pairs as BlockTable.fill_propagation (source in the exit loop's plane, one pair per
+        deeper loop, in order), computed here from the live tables without a Python-level call.
+        """
         i: cython.int
-        j: cython.int = 0
+        j: cython.int
+        n: cython.int = 0
         rid: cython.int
+        slot: cython.int
+        pos: cython.int
+        e: cython.int
+        blk: cython.int
+        bs: cython.int = self._bs
+        src: cython.longlong
         for i in range(self._num_pend):
             rid = self._pend_rid[i]
             if self._status[rid] == RUNNING and self._epoch[rid] == self._pend_epoch[i]:
-                self._pend_slot[j] = self._kv_slot[rid]
-                self._pend_pos[j] = self._pend_pos[i]
-                self._pend_loop[j] = self._pend_loop[i]
-                j += 1
-        self.num_prop = self.bt.fill_propagation(
-            self._pend_slot_arr, self._pend_pos_arr, self._pend_loop_arr, j, self.prop_src, self.prop_dst
-        )
+                slot = self._kv_slot[rid]
+                pos = self._pend_pos[i]
+                e = self._pend_loop[i]
+                blk = pos // bs
+                src = cython.cast(cython.longlong, self._tables[slot, e, blk]) * bs + pos % bs
+                for j in range(e + 1, self.num_loops):
+                    self._o_psrc[n] = src
+                    self._o_pdst[n] = cython.cast(cython.longlong, self._tables[slot, j, blk]) * bs + pos % bs
+                    n += 1
+        self.num_prop = n
         self._num_pend = 0
 
     def update(self, exited, sampled) -> int:
@@ -594,12 +646,11 @@ class LoopScheduler:
         """The live token exited: record its depth and append the sampled token. 1 if now finished."""
         loop: cython.int = self._row_loop[rid]
         pos: cython.int = self._row_start[rid] + self._row_len[rid] - 1
-        depth: cython.schar[:] = self._depths[rid]
-        toks: cython.int[:] = self._tokens[rid]
-        if depth[pos] == 0:
-            depth[pos] = loop + 1  # a generated token stops here; deeper planes get copies
+        slot: cython.int = self._kv_slot[rid]
+        if self._sdep[slot, pos] == 0:
+            self._sdep[slot, pos] = loop + 1  # a generated token stops here; deeper planes get copies
         self._row_live[rid] = 0
-        toks[self._num_tokens[rid]] = token
+        self._stok[slot, self._num_tokens[rid]] = token
         self._num_tokens[rid] += 1
         if self._num_tokens[rid] >= self._cap[rid]:
             self.finish(rid)
@@ -613,12 +664,11 @@ class LoopScheduler:
         loop: cython.int = self._row_loop[rid]
         start: cython.int = self._row_start[rid]
         end: cython.int = start + self._row_len[rid]
-        depth: cython.schar[:]
+        slot: cython.int = self._kv_slot[rid]
         if loop + 1 < self.num_loops and end > self._num_prompt[rid]:
-            depth = self._depths[rid]
             i = start if start > self._num_prompt[rid] else self._num_prompt[rid]
             while i < end:
-                if depth[i] == loop + 1:
+                if self._sdep[slot, i] == loop + 1:
                     self._pend_rid[self._num_pend] = rid
                     self._pend_epoch[self._num_pend] = self._epoch[rid]
                     self._pend_pos[self._num_pend] = i
