@@ -32,3 +32,24 @@ def check_same_dtype(**tensors: torch.Tensor) -> None:
 def interpreting() -> bool:
     """True when triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_paged_inputs(q, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off):
+    """Validate paged-attention inputs (see paged_attention); returns (N, Hq, D, Hkv, R)."""
+    check_float("q", q)
+    check_float("k_cache", k_cache)
+    check_float("v_cache", v_cache)
+    check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if hq % hkv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    r = block_tables.shape[0]
+    for name, t in (("row_q_start", row_q_start), ("row_len", row_len), ("row_tok_off", row_tok_off)):
+        if t.shape != (r,) or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [{r}], got {t.dtype} {tuple(t.shape)}")
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be int32 with a contiguous last dimension")
+    return n, hq, d, hkv, r

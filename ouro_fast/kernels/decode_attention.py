@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from ._util import check_float, check_paged_inputs, interpreting, next_pow2
 from .rounding import round_to
 
 
@@ -214,22 +214,9 @@ def paged_decode_attention(
     captured in a CUDA graph. With NUM_SPLITS > 1 it allocates an fp32 scratch of
     R x Hq x NUM_SPLITS x (D + 2) and launches a merge kernel; with 1, a single launch.
     """
-    check_float("q", q)
-    check_float("k_cache", k_cache)
-    check_float("v_cache", v_cache)
-    check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
-    n, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    if hq % hkv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
-        )
-    r = block_tables.shape[0]
-    for name, t in (("row_q_start", row_q_start), ("row_len", row_len), ("row_tok_off", row_tok_off)):
-        if t.shape != (r,) or t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32 [{r}], got {t.dtype} {tuple(t.shape)}")
-    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
-        raise ValueError("block_tables must be int32 with a contiguous last dimension")
+    n, hq, d, hkv, r = check_paged_inputs(
+        q, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off
+    )
     if out is None:
         out = torch.empty_like(q)
     check_float("out", out)
