@@ -9,13 +9,16 @@ depth policy (full depth, and each --exit-threshold sent through the client's
 measured runs: every --concurrency C:N (request rate inf) and, for full depth,
 the --rate R:N run (Poisson arrivals, no concurrency cap).
 
-Every result file is validated against the server's own counters (the /metrics
-deltas over the run): zero failed, all prompts completed, every output_len equal
-to --output-len, the client's total_input_tokens equal to the prompt tokens the
-server counted, the output tokens equal to the server's, every request finished
-for length, nothing rejected or aborted, and TTFT/TPOT/ITL/E2EL means, medians and
-p99 present. All runs go ahead; the exit status is 1 if any run failed validation,
-after manifest.json and summary.md are written.
+Every result file is validated: zero failed, all prompts completed, every
+output_len equal to --output-len, every input_len (the server's usage count,
+which the client adopts) equal to the length the client's own tokenizer gave
+that prompt (the runs' datasets are rebuilt in the client's interpreter before
+the server starts), and against the server's /metrics deltas over the run:
+total_input_tokens equal to the prompt tokens the server counted, the output
+tokens equal to the server's, every request finished for length, nothing
+rejected or aborted; and TTFT/TPOT/ITL/E2EL means, medians and p99 present.
+All runs go ahead; the exit status is 1 if any run failed validation, after
+manifest.json and summary.md are written.
 
 Output (--out DIR): results/<run>.json (the client's raw files, --save-detailed),
 manifest.json (machine, commit, model, server and client command lines, start-up
@@ -133,11 +136,16 @@ def metrics_delta(before: list, after: list) -> dict:
 # ---- validation of one result file --------------------------------------------------------------
 
 
-def validate_result(result: dict, num_prompts: int, output_len: int, server: dict | None) -> list[str]:
+def validate_result(
+    result: dict, num_prompts: int, output_len: int, server: dict | None, prompt_lens: list[int] | None
+) -> list[str]:
     """Every reason this client result (and the server's deltas over its run) is not a clean run.
 
-    `server` is metrics_delta() over the run; None means the server's counters
-    could not be read, which is itself an error. An empty list means valid.
+    `server` is metrics_delta() over the run; `prompt_lens` the prompt lengths by
+    the client's own tokenizer (client_prompt_lens()), in request order. The
+    client replaces each input_lens[i] with the server's usage.prompt_tokens, so
+    comparing the two checks both tokenizers per request. None for either means
+    it could not be obtained, which is itself an error. An empty list means valid.
     """
     errors = []
     completed, failed = result.get("completed"), result.get("failed")
@@ -161,6 +169,15 @@ def validate_result(result: dict, num_prompts: int, output_len: int, server: dic
         errors.append(f"input_lens missing or not {num_prompts} long")
     elif sum(ins) != total_in:
         errors.append(f"sum(input_lens) = {sum(ins)} but total_input_tokens = {total_in}")
+    elif prompt_lens is None:
+        errors.append("the client's own prompt lengths are unknown: input_lens not cross-checked")
+    elif ins != prompt_lens:
+        bad = [(i, c, s) for i, (c, s) in enumerate(zip(prompt_lens, ins)) if c != s]
+        bad += [("count", len(prompt_lens), len(ins))] if len(prompt_lens) != len(ins) else []
+        errors.append(
+            f"{len(bad)} prompts tokenized differently by the client and the server, first (index, client, "
+            f"server): {bad[:5]}"
+        )
     total_out = result.get("total_output_tokens")
     if total_out != num_prompts * output_len:
         errors.append(f"total_output_tokens = {total_out}, want {num_prompts} x {output_len}")
@@ -206,7 +223,9 @@ def _server_errors(server: dict | None, total_in: object, total_out: object, num
     return errors
 
 
-def validate_file(path: str | Path, num_prompts: int, output_len: int, server: dict | None) -> list[str]:
+def validate_file(
+    path: str | Path, num_prompts: int, output_len: int, server: dict | None, prompt_lens: list[int] | None
+) -> list[str]:
     """validate_result() of a saved result file; a missing or unreadable file is an error too."""
     try:
         result = json.loads(Path(path).read_text())
@@ -214,7 +233,7 @@ def validate_file(path: str | Path, num_prompts: int, output_len: int, server: d
         return [f"no readable result file {path}: {e}"]
     if not isinstance(result, dict):
         return [f"{path} does not hold a JSON object"]
-    return validate_result(result, num_prompts, output_len, server)
+    return validate_result(result, num_prompts, output_len, server, prompt_lens)
 
 
 # ---- the server -----------------------------------------------------------------------------------
@@ -387,7 +406,16 @@ def run_client(cmd: list[str], log: Path, cwd: Path, timeout: float) -> tuple[in
     return rc, round(time.perf_counter() - t0, 2)
 
 
-def measure(args, server: Server, name: str, tokenizer: Path, run: Run, out: Path, work: Path) -> None:
+def measure(
+    args,
+    server: Server,
+    name: str,
+    tokenizer: Path,
+    run: Run,
+    out: Path,
+    work: Path,
+    prompt_lens: list | None,
+) -> None:
     """One measured run: counters before, the client, counters after, validation; fills run.record."""
     result = out / "results" / f"{run.label}.json"
     cmd = client_command(args, server.base, name, tokenizer, run, result, args.seed)
@@ -410,7 +438,7 @@ def measure(args, server: Server, name: str, tokenizer: Path, run: Run, out: Pat
     errors = [] if rc == 0 else [f"the client exited {rc} (see logs/{run.label}.log)"]
     if not server.alive():
         errors.append(f"the server died during the run:\n{server.tail(10)}")
-    errors += validate_file(result, run.num_prompts, args.output_len, server_delta)
+    errors += validate_file(result, run.num_prompts, args.output_len, server_delta, prompt_lens)
     log_text = (out / "logs" / f"{run.label}.log").read_text(errors="replace")
     rec.update(
         exit_code=rc,
@@ -424,6 +452,48 @@ def measure(args, server: Server, name: str, tokenizer: Path, run: Run, out: Pat
     )
     status = "ok" if not errors else "INVALID:\n  " + "\n  ".join(errors)
     print(f"[serve_bench] {run.label}: {status}", file=sys.stderr)
+
+
+# Run in the client's interpreter: each run's dataset rebuilt exactly as `vllm bench serve` builds it
+# (same parser, seed and tokenizer), and the prompt lengths its own tokenizer gives.
+_PROMPT_LENS_CODE = """
+import json, sys
+from vllm.benchmarks.datasets import get_samples
+from vllm.benchmarks.serve import add_cli_args
+from vllm.tokenizers import get_tokenizer
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+spec = json.load(sys.stdin)
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+tokenizer = get_tokenizer(spec["tokenizer"])
+lens = {}
+for label, argv in spec["runs"].items():
+    lens[label] = [r.prompt_len for r in get_samples(parser.parse_args(argv), tokenizer)]
+print("PROMPT_LENS " + json.dumps(lens))
+"""
+
+
+def client_prompt_lens(args, name: str, tokenizer: Path, runs: list[Run], work: Path, manifest: dict) -> dict:
+    """{run label: prompt lengths by the client's tokenizer}, before any server starts; {} if that fails."""
+    skip = len(shlex.split(args.client_python)) + 4  # python -m vllm.entrypoints.cli.main bench serve
+    # The dataset depends on the dataset flags, seed and tokenizer only: the URL is a placeholder.
+    argvs = {r.label: client_command(args, "http://127.0.0.1:0", name, tokenizer, r, None, args.seed)[skip:]
+             for r in runs}  # fmt: skip
+    spec = json.dumps({"tokenizer": str(tokenizer), "runs": argvs})
+    cmd = [*shlex.split(args.client_python), "-c", _PROMPT_LENS_CODE]
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, input=spec, capture_output=True, text=True, env=client_env(), cwd=work,
+                              timeout=args.client_timeout)  # fmt: skip
+        line = [ln for ln in done.stdout.splitlines() if ln.startswith("PROMPT_LENS ")]
+        lens = json.loads(line[-1].split(" ", 1)[1]) if line else {}
+    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+        done, lens = None, {}
+        print(f"[serve_bench] prompt lengths: {e}", file=sys.stderr)
+    if not lens and done is not None:
+        print(f"[serve_bench] prompt lengths failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+    manifest["client_prompt_lens"] = {"seconds": round(time.perf_counter() - t0, 2), "by_run": lens}
+    return lens
 
 
 def _try_metrics(server: Server) -> list | None:
@@ -677,13 +747,14 @@ def main(argv: list[str] | None = None) -> int:
                          "config": model_facts(model_dir)}  # fmt: skip
     tokenizer = model_dir / "tokenizer"
     runs = plan_runs(args)
+    prompt_lens = client_prompt_lens(args, name, tokenizer, runs, work, manifest)
     server = None
     try:
         server = start_server(args, model_dir, name, out, work, manifest)
         for run in runs:
             if all(w["policy"] != run.policy for w in manifest["warmups"]):
                 manifest["warmups"].append(warm_up(args, server, name, tokenizer, run, out, work))
-            measure(args, server, name, tokenizer, run, out, work)
+            measure(args, server, name, tokenizer, run, out, work, prompt_lens.get(run.label))
         manifest["metrics_after"] = server.metrics_text() if server.alive() else None
     except (RuntimeError, OSError) as e:
         manifest["fatal"] = str(e)

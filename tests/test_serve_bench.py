@@ -1,8 +1,9 @@
 """The serving benchmark's validation: synthetic client result files and /metrics pages, no server, no vLLM.
 
 A clean run must validate with no errors, and each way a run can be wrong
-(a failed request, a short output, a token-count disagreement with the server,
-a missing percentile, unreadable counters) must be reported.
+(a failed request, a short output, a prompt the client and the server tokenize
+differently, a token-count disagreement with the server's counters, a missing
+percentile, unreadable counters) must be reported.
 """
 
 from __future__ import annotations
@@ -53,11 +54,11 @@ def clean_server() -> dict:
 def errors_after(change) -> list[str]:
     result, server = clean_result(), clean_server()
     change(result, server)
-    return sb.validate_result(result, N, OUT_LEN, server)
+    return sb.validate_result(result, N, OUT_LEN, server, list(INPUT_LENS))
 
 
 def test_a_clean_run_is_valid():
-    assert sb.validate_result(clean_result(), N, OUT_LEN, clean_server()) == []
+    assert sb.validate_result(clean_result(), N, OUT_LEN, clean_server(), list(INPUT_LENS)) == []
 
 
 @pytest.mark.parametrize(
@@ -89,24 +90,45 @@ def test_each_defect_is_reported(change, needle):
 
 
 def test_unreadable_server_counters_are_an_error():
-    errors = sb.validate_result(clean_result(), N, OUT_LEN, None)
+    errors = sb.validate_result(clean_result(), N, OUT_LEN, None, list(INPUT_LENS))
     assert len(errors) == 1 and "/metrics" in errors[0]
+
+
+def test_prompt_lengths_are_compared_per_request():
+    # The server counted one prompt a token longer and another a token shorter: the totals agree.
+    server_lens = [128, 130, 128, 126]
+    result, server = clean_result(), clean_server()
+    result["input_lens"] = server_lens
+    assert sum(server_lens) == result["total_input_tokens"] == server["prompt_tokens"]
+    errors = sb.validate_result(result, N, OUT_LEN, server, list(INPUT_LENS))
+    assert (
+        len(errors) == 1 and "2 prompts tokenized differently" in errors[0] and "(1, 129, 130)" in errors[0]
+    )
+    assert sb.validate_result(clean_result(), N, OUT_LEN, server, INPUT_LENS[:3])  # a short list too
+    errors = sb.validate_result(clean_result(), N, OUT_LEN, server, None)
+    assert len(errors) == 1 and "own prompt lengths are unknown" in errors[0]
 
 
 def test_result_files(tmp_path):
     good = tmp_path / "good.json"
     good.write_text(json.dumps(clean_result()))
-    assert sb.validate_file(good, N, OUT_LEN, clean_server()) == []
+    assert sb.validate_file(good, N, OUT_LEN, clean_server(), list(INPUT_LENS)) == []
     # The same file judged against a different request: every prompt count and length disagrees.
-    assert sb.validate_file(good, N + 1, OUT_LEN, clean_server())
+    assert sb.validate_file(good, N + 1, OUT_LEN, clean_server(), list(INPUT_LENS))
     assert (
         "no readable result file"
-        in sb.validate_file(tmp_path / "missing.json", N, OUT_LEN, clean_server())[0]
+        in sb.validate_file(tmp_path / "missing.json", N, OUT_LEN, clean_server(), list(INPUT_LENS))[0]
     )
     (tmp_path / "bad.json").write_text("{not json")
-    assert "no readable result file" in sb.validate_file(tmp_path / "bad.json", N, OUT_LEN, clean_server())[0]
+    assert (
+        "no readable result file"
+        in sb.validate_file(tmp_path / "bad.json", N, OUT_LEN, clean_server(), list(INPUT_LENS))[0]
+    )
     (tmp_path / "list.json").write_text("[]")
-    assert "JSON object" in sb.validate_file(tmp_path / "list.json", N, OUT_LEN, clean_server())[0]
+    assert (
+        "JSON object"
+        in sb.validate_file(tmp_path / "list.json", N, OUT_LEN, clean_server(), list(INPUT_LENS))[0]
+    )
 
 
 def page(prompt: int, gen: int, length: int, depth_counts: list[int], aborted: int = 0) -> str:
@@ -149,7 +171,7 @@ def test_metrics_delta_against_hand_counts():
     assert d["mean_exit_depth"] == pytest.approx((10 + 24 + 18 + 16) / 32, abs=1e-3)
     # The delta as validation sees it: the abort is reported, the counts agree.
     server = {**d, "finished_by_reason": {"length": N}}
-    errors = sb.validate_result(clean_result(), N, OUT_LEN, server)
+    errors = sb.validate_result(clean_result(), N, OUT_LEN, server, list(INPUT_LENS))
     assert errors == ["server aborted requests during the run: {'disconnect': 1}"]
 
 
