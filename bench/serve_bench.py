@@ -513,7 +513,13 @@ def _headline(result_path: Path) -> dict:
     keys = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
             "request_throughput", "output_throughput", "max_concurrency", "request_rate"]  # fmt: skip
     keys += [f"{s}_{m}_ms" for m in PERCENTILE_METRICS for s in STATS]
-    return {k: r.get(k) for k in keys}
+    head = {k: r.get(k) for k in keys}
+    # One ITL sample per chunk: fewer samples than tokens after the first means chunks carried several.
+    itls, outs = r.get("itls") or [], r.get("output_lens") or []
+    gaps = sum(max(n - 1, 0) for n in outs)
+    head["itl_samples"] = sum(len(x) for x in itls)
+    head["itl_samples_per_token"] = round(head["itl_samples"] / gaps, 4) if gaps else None
+    return head
 
 
 def _loadavg() -> list[float]:
