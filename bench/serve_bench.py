@@ -716,7 +716,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 def run_header(args: argparse.Namespace) -> dict:
     """The manifest's opening: machine, commit, settings, client, taken before anything runs."""
-    detected = git_commit()  # "" without a .git (the GPU machine's copy of the tree)
+    detected = git_commit().replace("unknown", "")  # "" without git or a .git (the GPU machine's copy)
     commit = args.commit or detected or "unknown"
     # --commit may say "+dirty" itself; otherwise the tree's own state, unknown without a .git.
     dirty = True if commit.endswith("+dirty") else detected.endswith("+dirty") if detected else None
