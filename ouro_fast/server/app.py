@@ -11,7 +11,6 @@ import asyncio
 import hmac
 import logging
 import os
-import sys
 import time
 
 from sanic import Request, Sanic
@@ -69,9 +68,6 @@ async def start_engine(app: Sanic) -> None:
     _setup_logging(config.log_level)
     if app.state.workers > 1:
         raise RuntimeError("ouro_fast serves from one Sanic worker (one engine per process): drop --workers")
-    # The engine owner and the event loop share one GIL: hand it over within 0.5 ms (not the
-    # default 5 ms), so the owner can launch the next step while the loop is busy with clients.
-    sys.setswitchinterval(0.0005)
     app.config.REQUEST_MAX_SIZE = config.max_body_bytes
     app.config.RESPONSE_TIMEOUT = config.response_timeout
     if config.test_faults:
