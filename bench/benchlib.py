@@ -145,3 +145,24 @@ def fmt_us(stats: dict) -> str:
         return f"{x:,.2f}" if x < 10 else f"{x:,.1f}" if x < 1000 else f"{x:,.0f}"
 
     return f"{f(stats['p50'])} [{f(stats['p10'])}-{f(stats['p90'])}]"
+
+
+def bench_args(doc: str, argv: list[str] | None, extra=None):
+    """The micro-benchmarks' shared command line: --quick and --out (plus `extra(parser)`)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="toy sizes (smoke test)")
+    p.add_argument("--out", default=None, help="result file or folder (JSON); default: print only")
+    if extra is not None:
+        extra(p)
+    return p.parse_args(argv)
+
+
+def bench_main(doc: str, name: str, run: Callable[[bool], object], argv: list[str] | None = None):
+    """Parse the shared command line, run, write `name`.json with the machine and commit."""
+    args = bench_args(doc, argv)
+    meta = start_run()
+    res = run(args.quick)
+    write_result(meta, res, args.out, name)
+    return res

@@ -15,7 +15,6 @@ Run: VLLM_TARGET_DEVICE=cpu $CLIENT_VENV/bin/python -m bench.vllm_scheduler_benc
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import logging
@@ -27,7 +26,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-from bench.benchlib import start_run, summarize, write_result  # noqa: E402
+from bench.benchlib import bench_args, start_run, summarize, write_result  # noqa: E402
 
 PROMPT = 128
 BLOCK_SIZE = 16
@@ -195,10 +194,7 @@ def run(quick: bool = False, batches=(1, 8, 64, 256), waitings=(0, 10, 1000, 100
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="toy sizes (smoke test)")
-    p.add_argument("--out", default=None, help="result file or folder (JSON); default: print only")
-    args = p.parse_args(argv)
+    args = bench_args(__doc__, argv)
     logging.disable(logging.WARNING)
     meta = start_run()
     import vllm

@@ -13,12 +13,11 @@ Run: python -m bench.micro.block_table [--quick] [--out bench/results/DIR]
 
 from __future__ import annotations
 
-import argparse
 import importlib
 
 import numpy as np
 
-from bench.benchlib import ratio, start_run, time_batches, write_result
+from bench.benchlib import bench_main, ratio, time_batches
 
 NUM_LOOPS = 4
 BS = 16
@@ -104,14 +103,7 @@ def run(quick: bool = False) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="toy sizes (smoke test)")
-    p.add_argument("--out", default=None, help="result file or folder (JSON); default: print only")
-    args = p.parse_args(argv)
-    meta = start_run()
-    res = run(args.quick)
-    write_result(meta, res, args.out, "block_table")
-    return res
+    return bench_main(__doc__, "block_table", run, argv)
 
 
 if __name__ == "__main__":

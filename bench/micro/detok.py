@@ -18,7 +18,6 @@ Run: python -m bench.micro.detok [--quick] [--out bench/results/DIR]
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib
 import os
@@ -27,7 +26,7 @@ import time
 # As the engine sets it: per-step decode batches are small, tokenizers' thread pool costs more.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench.benchlib import ratio, start_run, summarize, write_result
+from bench.benchlib import bench_main, ratio, summarize
 from ouro_fast.engine.detokenizer import IncrementalDetokenizer
 from ouro_fast.model.tokenizer import OuroTokenizer
 
@@ -140,14 +139,7 @@ def run(quick: bool = False) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="toy sizes (smoke test)")
-    p.add_argument("--out", default=None, help="result file or folder (JSON); default: print only")
-    args = p.parse_args(argv)
-    meta = start_run()
-    res = run(args.quick)
-    write_result(meta, res, args.out, "detok")
-    return res
+    return bench_main(__doc__, "detok", run, argv)
 
 
 if __name__ == "__main__":

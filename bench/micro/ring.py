@@ -16,12 +16,11 @@ Run: python -m bench.micro.ring [--quick] [--out bench/results/DIR]
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import threading
 import time
 
-from bench.benchlib import ratio, start_run, summarize, time_batches, write_result
+from bench.benchlib import bench_main, ratio, summarize, time_batches
 
 
 def ring_cls(kind: str):
@@ -138,14 +137,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="toy sizes (smoke test)")
-    p.add_argument("--out", default=None, help="result file or folder (JSON); default: print only")
-    args = p.parse_args(argv)
-    meta = start_run()
-    res = run(args.quick)
-    write_result(meta, res, args.out, "ring")
-    return res
+    return bench_main(__doc__, "ring", run, argv)
 
 
 if __name__ == "__main__":

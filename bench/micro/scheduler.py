@@ -16,14 +16,13 @@ Run: python -m bench.micro.scheduler [--quick] [--out bench/results/DIR]
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib
 import time
 
 import numpy as np
 
-from bench.benchlib import ratio, start_run, summarize, write_result
+from bench.benchlib import bench_args, ratio, start_run, summarize, write_result
 
 NUM_LOOPS = 4
 BLOCK_SIZE = 16
@@ -197,11 +196,10 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="toy sizes (smoke test)")
-    p.add_argument("--out", default=None, help="result file or folder (JSON); default: print only")
-    p.add_argument("--candidate", default=None, help="also measure MODULE's LoopScheduler (a patched build)")
-    args = p.parse_args(argv)
+    extra = lambda p: p.add_argument(  # noqa: E731
+        "--candidate", default=None, help="also measure MODULE's LoopScheduler (a patched build)"
+    )
+    args = bench_args(__doc__, argv, extra)
     meta = start_run()
     res = run(args.quick, candidate=args.candidate)
     write_result(meta, res, args.out, "scheduler")
