@@ -23,7 +23,7 @@ from ..model.exit_rule import exit_mask
 from ..model.fast_loop import run_loop_fused
 from ..model.ouro import OuroForCausalLM
 from ..model.triton_attention import TritonBatch, TritonPagedAttention
-from .runner import RowSampling, StepResult, sample_exited
+from .runner import RowSampling, StepResult, allocate_kv_cache, sample_exited
 
 MAX_GRAPHS = 48  # captured (rows, tokens, max_q_len) shapes; steps beyond run eagerly at the same padding
 
@@ -89,10 +89,7 @@ class GpuModelRunner:
         self.model, self.cfg, self.device = model, cfg, device
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
-        self.kv_cache = torch.zeros(
-            2, cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
-            dtype=dtype, device=device,
-        )  # fmt: skip
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks * block_size, dtype, device)
         self.attn = TritonPagedAttention(self.kv_cache, block_size, cfg.rope_theta, max_model_len)
         self.sampler = Sampler(vocab_limit, device, seed)
         self.keep_logits = keep_logits

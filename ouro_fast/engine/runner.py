@@ -19,6 +19,12 @@ from ..model.ouro import OuroForCausalLM
 from .sampling import Sampler
 
 
+def allocate_kv_cache(cfg, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The paged K/V of every (loop, layer) plane: [2, layers, num_slots, kv_heads, head_dim]."""
+    shape = (2, cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, cfg.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 @dataclass
 class RowSampling:
     """Per-request sampling settings, as arrays indexed by rid (owned by the engine)."""
@@ -53,10 +59,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         dtype = next(model.parameters()).dtype
-        self.kv_cache = torch.zeros(
-            2, cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim,
-            dtype=dtype, device=device,
-        )  # fmt: skip
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks * block_size, dtype, device)
         self.attn = PagedTorchAttention(self.kv_cache)
         self.sampler = Sampler(vocab_limit, device, seed)
         self.keep_logits = keep_logits
