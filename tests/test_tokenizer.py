@@ -148,3 +148,9 @@ def test_build_is_deterministic(tmp_path):
     paths = build_tokenizer.build(tmp_path)
     for path in paths:
         assert path.read_bytes() == (ASSETS_DIR / path.name).read_bytes(), path.name
+
+
+def test_lone_surrogate_is_a_value_error():
+    # JSON can carry "\ud800"; no UTF-8 text holds it, and tokenizers would raise TypeError.
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        OuroTokenizer.default().encode("a\ud800b")

@@ -69,6 +69,11 @@ class OuroTokenizer:
         """Token ids of text; no BOS is added; special-token text becomes the special token."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            # JSON can carry a lone surrogate ("\ud800"): no UTF-8 text holds one.
+            raise ValueError("the text is not valid Unicode (it holds a lone surrogate)") from None
         return self.raw.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

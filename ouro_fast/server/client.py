@@ -135,9 +135,13 @@ class EngineClient:
     # ---- requests -----------------------------------------------------------------
 
     async def encode(self, text: str) -> list[int]:
-        if len(text) <= _INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text)
-        return await self.loop.run_in_executor(None, self.tokenizer.encode, text)
+        """Token ids of a request's text; ApiError 400 for text that is not valid Unicode."""
+        try:
+            if len(text) <= _INLINE_TOKENIZE_CHARS:
+                return self.tokenizer.encode(text)
+            return await self.loop.run_in_executor(None, self.tokenizer.encode, text)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
 
     def submit(self, prompt_ids: list[int], params, transport) -> RequestHandle:
         """Admit a request (429 when full, 503 when not serving); its outputs arrive on the handle."""
