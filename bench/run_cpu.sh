@@ -3,8 +3,7 @@
 # (about two minutes on 2 cores). Check `uptime` first: the numbers are only as quiet as the machine.
 #   bash bench/run_cpu.sh [NAME]
 # PYTHON: the project's interpreter (default python3); the vLLM scheduler runs in the client venv
-# (bench/setup_vllm_client.sh builds it on first use). CANDIDATE=1 also builds and measures the
-# proposed LoopScheduler patch (bench/proposals/loop_scheduler-fast-path.diff).
+# (bench/setup_vllm_client.sh builds it on first use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=${1:-cpu-$(date -u +%Y%m%d-%H%M)}
@@ -15,13 +14,7 @@ mkdir -p "$OUT"
 run() { echo "$*" >> "$OUT/commands.txt"; echo "+ $*" >&2; "$@"; }
 CLIENT=$(bash bench/setup_vllm_client.sh 2>/dev/null | tail -1)
 echo "start: $(uptime)" > "$OUT/uptime.txt"
-cand=()
-if [ -n "${CANDIDATE:-}" ]; then
-  dir=$(PYTHON=$PY bash bench/micro/build_candidate.sh 2>/dev/null)
-  export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}"
-  cand=(--candidate loop_scheduler_candidate)
-fi
-run "$PY" -m bench.micro.scheduler --out "$OUT" "${cand[@]}"
+run "$PY" -m bench.micro.scheduler --out "$OUT"
 run "$CLIENT/bin/python" -m bench.vllm_scheduler_bench --out "$OUT"
 run "$PY" -m bench.micro.block_table --out "$OUT"
 run "$PY" -m bench.micro.detok --out "$OUT"
