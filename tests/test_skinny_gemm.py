@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: pip install 'triton>=3.0')")
 
-from ouro_fast.kernels import skinny_gemm  # noqa: E402
+from ouro_fast.kernels import silu_and_mul, skinny_gemm  # noqa: E402
+from ouro_fast.kernels.pdl import pdl_enabled, pdl_launch  # noqa: E402
 from ouro_fast.kernels.skinny_gemm import (  # noqa: E402
     SKINNY_MAX_M,
     candidate_configs,
@@ -137,6 +138,41 @@ def test_rejects_bad_inputs():
         skinny_linear(x, w, out=torch.empty(2, 21, device=DEV))
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_prologue_equals_two_launches(name, dtype):
+    # The fused input is rounded exactly as silu_and_mul rounds it, so the results are bit-equal.
+    gu = randn(5, 2 * K, dtype=dtype, seed=21) * 3
+    w = randn(N, K, dtype=dtype, seed=22)
+    fused = skinny_linear(gu, w, config=CONFIGS[name], silu_mul=True)
+    assert torch.equal(fused, skinny_linear(silu_and_mul(gu), w, config=CONFIGS[name]))
+    # And it is the matmul of torch's own F.silu(gate) * up, up to the output rounding.
+    act = F.silu(gu[:, :K]) * gu[:, K:]
+    ref = F.linear(act.float(), w.float())
+    assert ((fused.float() - ref).abs() <= bf16_bound(ref)).all()
+
+
+def test_silu_mul_default_config_fallback_and_shape_errors():
+    gu, w = randn(3, 2 * K, seed=23), randn(N, K, seed=24)
+    assert torch.equal(skinny_linear(gu, w, silu_mul=True), skinny_linear(silu_and_mul(gu), w))
+    big = randn(SKINNY_MAX_M + 1, 2 * K, seed=25)
+    assert torch.equal(skinny_linear(big, w, silu_mul=True), F.linear(silu_and_mul(big), w))
+    with pytest.raises(ValueError, match=f"need x \\[M, {2 * K}\\]"):
+        skinny_linear(gu[:, :K], w, silu_mul=True)
+
+
+def test_pdl_is_off_where_unsupported(monkeypatch):
+    cpu = torch.device("cpu")
+    assert not pdl_enabled(cpu) and pdl_launch(cpu) == {"USE_PDL": False}
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert pdl_enabled(dev) == hopper
+        assert pdl_launch(dev) == ({"USE_PDL": True, "launch_pdl": True} if hopper else {"USE_PDL": False})
+        monkeypatch.setenv("OURO_FAST_PDL", "0")
+        assert not pdl_enabled(dev) and pdl_launch(dev) == {"USE_PDL": False}
+
+
 @pytest.mark.parametrize("n, k", [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (50, 100)])
 def test_default_and_candidate_configs(n, k):
     for m in (1, 2, 8, 16):
@@ -152,8 +188,9 @@ def test_default_and_candidate_configs(n, k):
 
 def test_tuned_configs_are_keyed_by_power_of_two_rows(monkeypatch):
     tuned = cfg(32, 64, 2)
-    monkeypatch.setitem(skinny_gemm.TUNED_CONFIGS, (N, K, 8), tuned)
-    assert skinny_config(N, K, 5) is tuned and skinny_config(N, K, 8) is tuned
+    keys = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_DOT", "FUSED_REDUCE", "num_warps", "num_stages")
+    monkeypatch.setitem(skinny_gemm.TUNED_CONFIGS, (N, K, 8), tuple(tuned[k] for k in keys))
+    assert skinny_config(N, K, 5) == tuned and skinny_config(N, K, 8) == tuned
     assert skinny_config(N, K, 9) == default_config(N, K, 9)
     x, w = randn(7, K, seed=15), randn(N, K, seed=16)
     torch.testing.assert_close(skinny_linear(x, w), F.linear(x, w), atol=2e-5, rtol=1e-5)

@@ -9,7 +9,7 @@ after timing the graph's own result is checked again (so a split-K counter that
 failed to reset shows up as a wrong answer, not a fast one).
 
 Prints a table per shape and M, the per-layer sums, and the best config per
-(N, K, M) as a dict literal for ouro_fast.kernels.skinny_gemm.TUNED_CONFIGS.
+(N, K, M) as a tuple literal for ouro_fast.kernels.skinny_gemm.TUNED_CONFIGS.
 Writes every measurement as JSON to --out (default $OUT, else /tmp).
 
 Run on the GPU machine from the repo root: python -m bench.gpu.gemm_bench [--quick]
@@ -188,12 +188,14 @@ def print_summary(rows: list[dict]) -> None:
         best = sum(r["best_us"] or r["f_linear_us"] for r in sel)
         both = sum(min(r["best_us"] or math.inf, r["f_linear_us"]) for r in sel)
         print(f"{m:3d} | {base:8.2f} | {best:11.2f} | {both:12.2f} | {(base - both) * LAYERS:8.1f}")
-    print("\n# Paste into ouro_fast/kernels/skinny_gemm.py (only where skinny_linear beat F.linear):")
+    print("\n# Paste into ouro_fast/kernels/skinny_gemm.py (the fastest skinny config of every shape):")
     print("TUNED_CONFIGS = {")
+    keys = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_DOT", "FUSED_REDUCE", "num_warps", "num_stages")
     for r in rows:
-        if r["best_us"] and r["best_us"] < r["f_linear_us"]:
-            key = f"({r['N']}, {r['K']}, {r['M']})"
-            print(f"    {key}: {r['best_config']!r},  # {r['shape']} {r['best_us']:.2f} us")
+        if r["best_us"]:
+            key, c = f"({r['N']}, {r['K']}, {r['M']})", r["best_config"]
+            print(f"    {key}: {tuple(c[k] for k in keys)},  # {r['shape']} {r['best_us']:.2f} us, "
+                  f"F.linear {r['f_linear_us']:.2f}")  # fmt: skip
     print("}")
     slower = [f"{r['shape']} M={r['M']}" for r in rows if not (r["best_us"] or math.inf) < r["f_linear_us"]]
     if slower:

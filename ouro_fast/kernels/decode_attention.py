@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._util import check_float, check_paged_inputs, interpreting, next_pow2
+from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 
 
@@ -53,11 +54,13 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_enter(USE_PDL)
     # All three loads before the branch: one memory round trip, not two.
     n_q = tl.load(len_ptr + row)
     q_pos = tl.load(q_start_ptr + row)
@@ -144,10 +147,12 @@ def _decode_merge_kernel(
     D_P2: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program: one row, one query head; combines its NUM_SPLITS partial softmaxes.
     row = tl.program_id(0)
     head = tl.program_id(1)
+    pdl_enter(USE_PDL)
     base = (row * NUM_HEADS + head) * NUM_SPLITS
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, D_P2)
@@ -234,7 +239,7 @@ def paged_decode_attention(
     parts = r * hq * splits if splits > 1 else 0
     scratch = torch.empty(max(1, parts * (d + 2)), dtype=torch.float32, device=q.device)
     acc, m, lsum = scratch[: parts * d], scratch[parts * d : parts * (d + 1)], scratch[parts * (d + 1) :]
-    interp = interpreting()
+    interp, pdl = interpreting(), pdl_launch(q.device)
     _decode_split_kernel[(r, hkv, splits)](
         q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off, acc, m, lsum,
         scale * math.log2(math.e),
@@ -242,12 +247,12 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0),
         NUM_HEADS=hq, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d, D_P2=next_pow2(d),
-        PAGE=block_size, INTERPRETED=interp, **cfg,
+        PAGE=block_size, INTERPRETED=interp, **cfg, **pdl,
     )  # fmt: skip
     if splits > 1:
         _decode_merge_kernel[(r, hq)](
             out, row_len, row_tok_off, acc, m, lsum, out.stride(0), out.stride(1),
             NUM_HEADS=hq, HEAD_DIM=d, D_P2=next_pow2(d), NUM_SPLITS=splits, INTERPRETED=interp,
-            num_warps=merge_warps,
+            num_warps=merge_warps, **pdl,
         )  # fmt: skip
     return out

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 
 
@@ -34,10 +35,12 @@ def _rms_norm_kernel(
     H: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
+    pdl_enter(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = _rms(x, w, H, eps, o_ptr.dtype.element_ty, INTERPRETED)
@@ -60,11 +63,13 @@ def _add_rms_norm_kernel(
     H: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     dtype = h_out_ptr.dtype.element_ty
+    pdl_enter(USE_PDL)
     a = tl.load(a_ptr + row * stride_a + offs, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     w_a = tl.load(w_a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -92,7 +97,7 @@ def rms_norm(
         h = x.shape[1]
         _rms_norm_kernel[(x.shape[0],)](
             x, weight, out, eps, x.stride(0), out.stride(0),
-            H=h, BLOCK=next_pow2(h), INTERPRETED=interpreting(), num_warps=_warps(h),
+            H=h, BLOCK=next_pow2(h), INTERPRETED=interpreting(), num_warps=_warps(h), **pdl_launch(x.device),
         )  # fmt: skip
     return out
 
@@ -124,7 +129,7 @@ def add_rms_norm(
         _add_rms_norm_kernel[(h.shape[0],)](
             h, a, weight_a, weight_next, h_out, x_out, eps,
             h.stride(0), a.stride(0), h_out.stride(0), x_out.stride(0),
-            H=n, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=_warps(n),
+            H=n, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=_warps(n), **pdl_launch(h.device),
         )  # fmt: skip
     return h_out, x_out
 

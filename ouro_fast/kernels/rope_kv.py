@@ -8,6 +8,7 @@ import triton.language as tl
 
 from ..model.ouro import rope_cos_sin
 from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 
 
@@ -92,9 +93,11 @@ def _rope_write_kv_kernel(
     D_P2: tl.constexpr,
     APPLY_ROPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per token: all its heads.
     tok = tl.program_id(0).to(tl.int64)
+    pdl_enter(USE_PDL)
     slot = tl.load(slot_ptr + tok)
     if APPLY_ROPE:
         # Clamped so padding tokens with junk positions never read out of bounds.
@@ -175,6 +178,6 @@ def rope_write_kv(
         cos_sin.stride(0),
         HQ=hq, HKV=hkv, HQ_P2=next_pow2(hq), HKV_P2=next_pow2(hkv), HALF=d // 2, HALF_P2=next_pow2(d // 2),
         HEAD_DIM=d, D_P2=next_pow2(d), APPLY_ROPE=rope, num_warps=4,
-        INTERPRETED=interpreting(),
+        INTERPRETED=interpreting(), **pdl_launch(q.device),
     )  # fmt: skip
     return q_out

@@ -31,15 +31,43 @@ import triton
 import triton.language as tl
 
 from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
+from .swiglu import silu_and_mul
 
 # Above this many rows the matmul is no longer weight-bound: cuBLAS (F.linear) takes over.
 SKINNY_MAX_M = 16
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
 _MIN_COUNTERS = 8192
-# Measured configs keyed by (N, K, next_pow2(M)), pasted from bench/gpu/gemm_bench.py;
-# other shapes use default_config.
-TUNED_CONFIGS: dict[tuple[int, int, int], dict] = {}
+# The fastest config per (N, K, next_pow2(M)) of the Ouro-1.4B decode matmuls, measured in isolation on
+# the H200 (bench/gpu/gemm_bench.py, bench/results/gpu/h200-2026-11-29/gemm_bench.json); other shapes
+# use default_config. Values: (BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, FUSED_REDUCE, num_warps, num_stages).
+# Kept where cuBLAS was a little faster alone: in the decode chain every kernel
+# must be a PDL kernel for launches to overlap.
+# fmt: off
+TUNED_CONFIGS: dict[tuple[int, int, int], tuple] = {
+    (6144, 2048, 1): (16, 512, 1, False, True, 4, 3),  # qkv 9.17 us, F.linear 9.29
+    (6144, 2048, 2): (64, 256, 1, True, True, 4, 4),  # qkv 9.78 us, F.linear 9.19
+    (6144, 2048, 4): (64, 256, 1, True, True, 4, 4),  # qkv 9.44 us, F.linear 9.54
+    (6144, 2048, 8): (64, 256, 1, True, True, 4, 4),  # qkv 9.22 us, F.linear 9.28
+    (6144, 2048, 16): (64, 256, 1, True, True, 4, 4),  # qkv 8.62 us, F.linear 9.43
+    (2048, 2048, 1): (64, 128, 4, True, True, 4, 4),  # o_proj 6.18 us, F.linear 6.13
+    (2048, 2048, 2): (64, 128, 4, True, True, 4, 4),  # o_proj 6.25 us, F.linear 6.08
+    (2048, 2048, 4): (64, 128, 4, True, True, 4, 4),  # o_proj 6.13 us, F.linear 6.19
+    (2048, 2048, 8): (64, 128, 4, True, True, 4, 4),  # o_proj 5.97 us, F.linear 6.08
+    (2048, 2048, 16): (64, 128, 4, True, False, 4, 4),  # o_proj 5.98 us, F.linear 6.10
+    (11264, 2048, 1): (128, 128, 1, True, True, 8, 4),  # gate_up 14.68 us, F.linear 13.30
+    (11264, 2048, 2): (128, 128, 1, True, True, 8, 4),  # gate_up 14.54 us, F.linear 13.37
+    (11264, 2048, 4): (128, 128, 1, True, True, 8, 4),  # gate_up 14.89 us, F.linear 13.46
+    (11264, 2048, 8): (128, 128, 1, True, True, 8, 4),  # gate_up 14.23 us, F.linear 13.57
+    (11264, 2048, 16): (128, 128, 1, True, True, 8, 4),  # gate_up 13.69 us, F.linear 13.65
+    (2048, 5632, 1): (64, 128, 4, True, True, 4, 4),  # down 9.71 us, F.linear 11.21
+    (2048, 5632, 2): (64, 128, 4, True, True, 4, 4),  # down 9.53 us, F.linear 11.03
+    (2048, 5632, 4): (64, 256, 4, True, True, 4, 4),  # down 9.71 us, F.linear 11.11
+    (2048, 5632, 8): (64, 128, 4, True, True, 4, 4),  # down 9.44 us, F.linear 11.10
+    (2048, 5632, 16): (64, 128, 4, True, True, 4, 4),  # down 9.56 us, F.linear 11.23
+}
+# fmt: on
 # Split-K factors the GPU benchmark sweeps for the Ouro-1.4B shapes (N, K): qkv, o_proj, gate_up, down.
 CANDIDATE_SPLITS: dict[tuple[int, int], tuple[int, ...]] = {
     (6144, 2048): (1, 2, 4, 8),
@@ -52,20 +80,40 @@ _DOT_TILES = ((64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 256, 4))
 
 
 @triton.jit
+def _load_x(x_ptrs, mask, SILU_MUL_OFF: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    # The activation chunk; with SILU_MUL_OFF = F > 0 it is silu(x[:, k]) * x[:, F + k], rounded as
+    # silu_and_mul rounds (silu to DTYPE, then the product), so the fused matmul equals the two launches.
+    if mask is None:
+        x = tl.load(x_ptrs)
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+    if SILU_MUL_OFF > 0:
+        if mask is None:
+            u = tl.load(x_ptrs + SILU_MUL_OFF)
+        else:
+            u = tl.load(x_ptrs + SILU_MUL_OFF, mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        act = round_to(g / (1.0 + tl.exp(-g)), DTYPE, INTERPRETED).to(tl.float32)
+        x = round_to(act * u.to(tl.float32), DTYPE, INTERPRETED)
+    return x
+
+
+@triton.jit
 def _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_UPCAST: tl.constexpr):  # fmt: skip
+                 DOT_UPCAST: tl.constexpr, SILU_MUL_OFF: tl.constexpr,
+                 INTERPRETED: tl.constexpr):  # fmt: skip
     # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_K, BLOCK_M] (x transposed); returns fp32 [BLOCK_M, BLOCK_N].
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            xt = tl.load(x_ptrs)
+            xt = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
         else:
             k_ok = k + offs_k < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
+            xt = _load_x(x_ptrs, k_ok[:, None], SILU_MUL_OFF, w.dtype, INTERPRETED)
         if DOT_UPCAST:
             # The interpreter's numpy dot cannot take bf16; products of 16-bit floats are exact in fp32.
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
@@ -78,7 +126,8 @@ def _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK
 
 @triton.jit
 def _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL_OFF: tl.constexpr,
+                 INTERPRETED: tl.constexpr):  # fmt: skip
     # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_M, BLOCK_K]; returns fp32 [BLOCK_M, BLOCK_N].
     # Products accumulate elementwise; the cross-thread sum over K happens once, after the loop.
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -86,11 +135,11 @@ def _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
+            x = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
         else:
             k_ok = k + offs_k < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            x = _load_x(x_ptrs, k_ok[None, :], SILU_MUL_OFF, w.dtype, INTERPRETED)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -121,11 +170,14 @@ def _skinny_kernel(
     FUSED_REDUCE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    SILU_MUL_OFF: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of every row, over K range pid_k.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pdl_enter(USE_PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -138,10 +190,11 @@ def _skinny_kernel(
     if USE_DOT:
         x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
         acc = _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
-                           DOT_PRECISION, DOT_UPCAST)  # fmt: skip
+                           DOT_PRECISION, DOT_UPCAST, SILU_MUL_OFF, INTERPRETED)  # fmt: skip
     else:
         x_ptrs = x_ptr + x_rows[:, None] * stride_xm + (k_start + offs_k)[None, :]
-        acc = _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K)
+        acc = _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
+                           SILU_MUL_OFF, INTERPRETED)  # fmt: skip
 
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     o_ptrs = o_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -166,9 +219,10 @@ def _skinny_kernel(
 
 @triton.jit
 def _split_reduce_kernel(ws_ptr, o_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                         INTERPRETED: tl.constexpr):  # fmt: skip
+                         INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     # Sums the SPLIT_K partials of one row in the same order as the fused reduction.
     row = tl.program_id(1)
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -199,7 +253,8 @@ def default_config(n: int, k: int, m: int, num_sms: int = 132) -> dict:
 
 def skinny_config(n: int, k: int, m: int, num_sms: int = 132) -> dict:
     """The config skinny_linear uses for w [n, k] and m rows: TUNED_CONFIGS, else default_config."""
-    return TUNED_CONFIGS.get((n, k, next_pow2(m))) or default_config(n, k, m, num_sms)
+    tuned = TUNED_CONFIGS.get((n, k, next_pow2(m)))
+    return _config(*tuned) if tuned else default_config(n, k, m, num_sms)
 
 
 def candidate_configs(n: int, k: int, m: int) -> list[dict]:
@@ -237,7 +292,11 @@ def _config(block_n, block_k, split, use_dot, fused, warps, stages) -> dict:
 
 
 def skinny_linear(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> out [M, N] in x's dtype, fp32 accumulation, rounded once.
 
@@ -246,14 +305,17 @@ def skinny_linear(
     buffer). M <= SKINNY_MAX_M runs the Triton kernel with skinny_config; larger M
     falls back to cuBLAS (F.linear / torch.matmul). An explicit `config` runs the
     kernel at any M (for benchmarks). Deterministic: the same inputs give the same
-    bits, whatever the scheduling.
+    bits, whatever the scheduling. With silu_mul, x is [M, 2K] (gate then up) and the
+    matmul's input is silu_and_mul(x), computed as the chunks are loaded (bit-equal
+    to the two launches).
     """
     check_float("x", x)
     check_float("w", w)
     check_same_dtype(x=x, w=w)
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"need x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    m, k = x.shape
+    k_in = 2 * w.shape[-1] if silu_mul else w.shape[-1]
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != k_in:
+        raise ValueError(f"need x [M, {k_in}] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    m, k = x.shape[0], w.shape[1]
     n = w.shape[0]
     if out is not None:
         check_float("out", out)
@@ -261,19 +323,20 @@ def skinny_linear(
         if out.shape != (m, n):
             raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
     if m > SKINNY_MAX_M and config is None:
-        return F.linear(x, w) if out is None else torch.matmul(x, w.t(), out=out)
+        a = silu_and_mul(x) if silu_mul else x
+        return F.linear(a, w) if out is None else torch.matmul(a, w.t(), out=out)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
     cfg = config or skinny_config(n, k, m, _num_sms(x.device))
-    _launch(x, w, out, cfg)
+    _launch(x, w, out, cfg, k if silu_mul else 0)
     return out
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
-    (m, k), n = x.shape, w.shape[0]
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu_mul_off: int) -> None:
+    m, (n, k) = x.shape[0], w.shape
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot, fused = cfg["USE_DOT"], cfg["FUSED_REDUCE"]
     # tl.dot needs every dimension >= 16; the padding rows are clamped re-reads, never stored.
@@ -282,19 +345,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> N
     n_tiles = triton.cdiv(n, block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counters = _counters(x.device, n_tiles) if split > 1 and fused else out
-    interp = interpreting()
+    interp, pdl = interpreting(), pdl_launch(x.device)
     _skinny_kernel[(n_tiles, split)](
         x, w, out, ws, counters, m, n, k, k_per_split, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, FUSED_REDUCE=fused,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, INTERPRETED=interp,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
+        INTERPRETED=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
     if split > 1 and not fused:
         block = min(1024, next_pow2(n))
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
-            ws, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, INTERPRETED=interp, num_warps=4
+            ws, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, INTERPRETED=interp, num_warps=4, **pdl
         )
 
 

@@ -7,15 +7,18 @@ import triton
 import triton.language as tl
 
 from ._util import check_float, interpreting
+from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, o_ptr, F, stride_x, stride_o, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, o_ptr, F, stride_x, stride_o, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+                         USE_PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
     dtype = o_ptr.dtype.element_ty
+    pdl_enter(USE_PDL)
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + F + offs, mask=mask, other=0.0).to(tl.float32)
     # silu is rounded to the dtype before the multiply, as F.silu(gate) * up does in torch.
@@ -36,6 +39,14 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 
     out = torch.empty(n, f, dtype=x.dtype, device=x.device) if out is None else out
     if n and f:
         _silu_and_mul_kernel[(n, triton.cdiv(f, block))](
-            x, out, f, x.stride(0), out.stride(0), BLOCK=block, INTERPRETED=interpreting(), num_warps=4
+            x,
+            out,
+            f,
+            x.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            INTERPRETED=interpreting(),
+            num_warps=4,
+            **pdl_launch(x.device),
         )
     return out

@@ -3,16 +3,18 @@
 Needs a fused model (OuroForCausalLM.fuse(): one qkv and one gate_up matmul per
 layer) and an attention backend that applies RoPE (TritonPagedAttention with
 rope_theta). Per layer: qkv matmul, RoPE + K/V write, attention, o_proj, fused
-add + two RMSNorms, gate_up matmul, SiLU-and-mul, down matmul, fused add +
-RMSNorm (of the next layer's input, or the final norm after the last layer).
+add + two RMSNorms, gate_up matmul, SiLU-and-mul fused into the down matmul,
+fused add + RMSNorm (of the next layer's input, or the final norm after the last
+layer). Up to 16 tokens the matmuls are the skinny Triton kernel (so on Hopper
+every kernel of the loop is a PDL launch); beyond, cuBLAS.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..kernels import add_rms_norm, rms_norm, silu_and_mul
+from ..kernels import add_rms_norm, rms_norm
+from ..kernels.skinny_gemm import skinny_linear
 from .ouro import OuroForCausalLM
 
 
@@ -24,10 +26,11 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
     x = rms_norm(h, layers[0].input_layernorm.weight, eps)
     for i, layer in enumerate(layers):
         sa, mlp = layer.self_attn, layer.mlp
-        q, k, v = F.linear(x, sa.qkv_weight).split((hq * d, hkv * d, hkv * d), dim=-1)
-        a = sa.o_proj(attn(i, q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)).reshape(n, hq * d))
+        q, k, v = skinny_linear(x, sa.qkv_weight).split((hq * d, hkv * d, hkv * d), dim=-1)
+        o = attn(i, q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)).reshape(n, hq * d)
+        a = skinny_linear(o, sa.o_proj.weight)
         h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
-        out = mlp.down_proj(silu_and_mul(F.linear(m, mlp.gate_up_weight)))
+        out = skinny_linear(skinny_linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
         h, x = add_rms_norm(h, out, layer.post_attention_layernorm_2.weight, w_next, eps)
     return x

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU checks in one device call (about 6-8 minutes): install the carried wheels, build the
+# project, run the GPU tests (kernels vs PyTorch, the Triton runner vs the torch runner), then
+# bench/gpu/engine_probe.py twice: with programmatic dependent launch (the default on Hopper) and
+# with OURO_FAST_PDL=0, so the two step times can be compared on one machine in one call.
+#
+# Device call (repo root, carry .device-wheels):  bash bench/gpu/check_gpu.sh
+# Writes to $OUT: check_gpu.log (everything printed), pytest.xml, engine_probe_pdl.json and
+# engine_probe_nopdl.json. Settings: TESTS (the test files), PROBES ("pdl nopdl").
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to the folder that receives the results}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/check_gpu.log") 2>&1
+TESTS=${TESTS:-tests/test_kernels.py tests/test_decode_attention.py tests/test_skinny_gemm.py tests/test_gpu_runner.py}
+PROBES=${PROBES:-pdl nopdl}
+echo "start $(date -u +%FT%TZ); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+eval "$(bash .device-wheels/install.sh)" || { echo "wheel install failed"; exit 3; }
+python3 -m pip install -q --no-build-isolation --no-deps . || { echo "project build failed"; exit 3; }
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+t=$SECONDS
+# shellcheck disable=SC2086
+python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" $TESTS
+rc=$?
+echo "tests: rc=$rc in $((SECONDS - t)) s"
+for tag in $PROBES; do
+  t=$SECONDS
+  pdl=1
+  [ "$tag" = nopdl ] && pdl=0
+  OURO_FAST_PDL=$pdl PROBE_TAG=$tag python3 bench/gpu/engine_probe.py || rc=1
+  echo "probe $tag: $((SECONDS - t)) s"
+done
+exit $rc

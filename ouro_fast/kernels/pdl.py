@@ -1,0 +1,49 @@
+"""Programmatic dependent launch (PDL): let the next decode kernel launch while this one runs.
+
+A decode step is ~200 small kernels; on Hopper each would otherwise pay its launch
+and ramp-up after the previous one drains. A kernel launched with PDL may start
+while its predecessor still runs; it must call `pdl_enter` before touching any
+memory a predecessor writes (it blocks until the predecessor finished and flushed),
+and pdl_enter then lets the kernel after it launch in turn. Reads of memory no
+kernel in the step writes (weights) may come before pdl_enter.
+
+Enabled on CUDA devices of compute capability >= 9 (not under the interpreter);
+OURO_FAST_PDL=0 turns it off. A kernel launched without PDL after one with PDL, or
+the reverse, is ordered as usual, so PDL and plain launches mix safely.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import interpreting
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel's writes, then allow the next kernel to launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """True when kernels on `device` launch with PDL (Hopper or newer, compiled, not switched off)."""
+    if device.type != "cuda" or interpreting() or os.environ.get("OURO_FAST_PDL", "1") == "0":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch options for a kernel that calls pdl_enter: USE_PDL, plus launch_pdl when enabled."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
