@@ -33,6 +33,12 @@ LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+# vLLM's buckets for per-request token counts (1, 2, 5 x powers of ten).
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
+# Label values each labelled counter shows from the start (others still appear when counted).
+FINISH_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("invalid", "overload", "error", "unavailable")
+ABORT_REASONS = ("disconnect", "slow_client", "shutdown")
 TPOT_BUCKETS = (
     0.001,
     0.005,
@@ -112,6 +118,8 @@ class ServerMetrics:
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
+        self.request_prompt_tokens = Histogram(TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = Histogram(TOKEN_COUNT_BUCKETS)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: Counter[str] = Counter()  # finish reason -> requests
@@ -130,6 +138,8 @@ class ServerMetrics:
         """A request's final output; decode_seconds is first-to-last token time (None: < 2 tokens)."""
         self.finished[reason] += 1
         self.prompt_tokens += prompt_tokens
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(completion_tokens)
         self.e2e.observe(e2e)
         if decode_seconds is not None and completion_tokens > 1:
             self.tpot.observe(decode_seconds / (completion_tokens - 1))
@@ -163,6 +173,7 @@ class ServerMetrics:
             ("ouro_fast:engine_step_failures_total", "Engine steps that raised.", eng.step_failures),
             ("ouro_fast:refills_total", "Rows that joined a batch at a loop boundary.", eng.refills),
             ("ouro_fast:preemptions_total", "Requests preempted to free KV.", eng.preemptions),
+            ("vllm:num_preemptions_total", "Requests preempted to free KV (vLLM's name).", eng.preemptions),
             ("ouro_fast:owner_wakeups_total", "Loop iterations of the engine-owner thread.", eng.wakeups),
             (
                 "ouro_fast:output_batches_total",
@@ -174,14 +185,18 @@ class ServerMetrics:
             t.family(name, "counter", help_text)
             t.sample(name, value, lab)
         self._labelled(t, "vllm:request_success_total", "Finished requests by finish reason.",
-                       "finished_reason", self.finished)  # fmt: skip
+                       "finished_reason", self.finished, FINISH_REASONS)  # fmt: skip
         self._labelled(t, "ouro_fast:requests_rejected_total", "Requests refused before admission.",
-                       "reason", self.rejected)  # fmt: skip
+                       "reason", self.rejected, REJECT_REASONS)  # fmt: skip
         self._labelled(t, "ouro_fast:requests_aborted_total", "Requests the server aborted.",
-                       "reason", self.aborted)  # fmt: skip
+                       "reason", self.aborted, ABORT_REASONS)  # fmt: skip
         t.family("ouro_fast:loop_rows_total", "counter", "Rows run at each loop index (0-based).")
         for loop, n in enumerate(eng.rows_per_loop):
             t.sample("ouro_fast:loop_rows_total", n, {**lab, "loop": str(loop)})
+        exits_help = "Generated tokens that exited after loop `loop` (0-based), i.e. ran loop+1 loops."
+        t.family("ouro_fast:loop_exits_total", "counter", exits_help)
+        for loop, n in enumerate(eng.exit_depth):
+            t.sample("ouro_fast:loop_exits_total", n, {**lab, "loop": str(loop)})
         depth_total = sum((d + 1) * n for d, n in enumerate(eng.exit_depth))
         t.histogram("ouro_fast:token_exit_depth", "Loops each generated token ran before it exited.",
                     range(1, len(eng.exit_depth) + 1), [*eng.exit_depth, 0], depth_total, lab)  # fmt: skip
@@ -193,11 +208,16 @@ class ServerMetrics:
             ("vllm:request_time_per_output_token_seconds", "Decode time per output token after the first.",
              self.tpot),
             ("vllm:e2e_request_latency_seconds", "Time from arrival to the final output.", self.e2e),
+            ("vllm:request_prompt_tokens", "Prompt tokens per finished request.", self.request_prompt_tokens),
+            ("vllm:request_generation_tokens", "Generated tokens per finished request.",
+             self.request_generation_tokens),
         ):  # fmt: skip
             t.histogram(name, help_text, h.bounds, h.counts, h.total, lab)
         return "\n".join(t.lines) + "\n"
 
-    def _labelled(self, t: _Text, name: str, help_text: str, key: str, counts: Counter) -> None:
+    def _labelled(
+        self, t: _Text, name: str, help_text: str, key: str, counts: Counter, known: tuple[str, ...]
+    ) -> None:
         t.family(name, "counter", help_text)
-        for value, n in sorted(counts.items()):
-            t.sample(name, n, {**self.labels, key: value})
+        for value in sorted(set(known) | set(counts)):
+            t.sample(name, counts[value], {**self.labels, key: value})

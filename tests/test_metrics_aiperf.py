@@ -1,0 +1,148 @@
+"""/metrics as AIPerf's server-metrics collection reads it: vLLM's names, ouro_fast's own, valid text format.
+
+AIPerf parses the page with prometheus_client's parser (a counter's family name
+loses its _total suffix) and reports deltas of counters over its profiling
+window, so a labelled series must exist before the window starts.
+"""
+
+import re
+from pathlib import Path
+
+from bench.aiperf.validate import AIPERF_REQUIRED_METRICS
+from ouro_fast.server import client
+from ouro_fast.server.metrics import ABORT_REASONS, FINISH_REASONS, REJECT_REASONS, ServerMetrics
+from ouro_fast.server.owner import EngineSnapshot
+
+_SAMPLE = re.compile(
+    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{((?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*)\})? (\S+)$'
+)
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def strict_parse(text: str) -> dict[str, dict]:
+    """{family: {"type", "samples": [(name, labels, value)]}}; AssertionError on any text-format violation."""
+    families: dict[str, dict] = {}
+    current = None
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name = line.split()[2]
+            assert name not in families, f"family {name} declared twice"
+            families[name] = {"type": None, "samples": []}
+            current = name
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            assert name == current and kind in ("counter", "gauge", "histogram"), line
+            families[name]["type"] = kind
+        else:
+            m = _SAMPLE.match(line)
+            assert m, f"malformed sample line {line!r}"
+            name, labels, value = m.group(1), dict(_LABEL.findall(m.group(3) or "")), float(m.group(4))
+            fam = families[current]
+            suffixes = ("_bucket", "_sum", "_count") if fam["type"] == "histogram" else ("",)
+            assert any(name == current + s for s in suffixes), f"{name} outside its family {current}"
+            fam["samples"].append((name, labels, value))
+    for name, fam in families.items():
+        keys = [(n, tuple(sorted(lab.items()))) for n, lab, _ in fam["samples"]]
+        assert len(keys) == len(set(keys)), f"duplicate samples in {name}"
+        if fam["type"] == "counter":
+            assert name.endswith("_total") and all(v >= 0 for _, _, v in fam["samples"]), name
+        if fam["type"] == "histogram":
+            check_histogram(name, fam["samples"])
+    return families
+
+
+def check_histogram(name: str, samples: list) -> None:
+    """Buckets ascending by le, cumulative, ending at +Inf == _count, per label set."""
+    by_set: dict[tuple, list] = {}
+    for n, labels, v in samples:
+        rest = tuple(sorted((k, x) for k, x in labels.items() if k != "le"))
+        by_set.setdefault(rest, []).append((n, labels.get("le"), v))
+    for rest, rows in by_set.items():
+        buckets = [(le, v) for n, le, v in rows if n.endswith("_bucket")]
+        count = [v for n, _, v in rows if n.endswith("_count")]
+        assert buckets[-1][0] == "+Inf" and count == [buckets[-1][1]], (name, rest)
+        bounds = [float(le) for le, _ in buckets[:-1]]
+        assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds), name
+        values = [v for _, v in buckets]
+        assert values == sorted(values), f"{name} buckets not cumulative"
+
+
+def aiperf_names(families: dict) -> set[str]:
+    # prometheus_client's parser (AIPerf's) names a counter family without its _total suffix.
+    return {n.removesuffix("_total") if f["type"] == "counter" else n for n, f in families.items()}
+
+
+def busy_metrics() -> ServerMetrics:
+    m = ServerMetrics("m")
+    m.first_token(0.02)
+    m.request_done("length", 5, 3, 0.5, 0.1)
+    m.request_done("stop", 300, 1, 0.2, None)
+    m.generation_tokens = 4
+    m.rejected["overload"] += 2
+    m.engine = EngineSnapshot(running=2, waiting=3, kv_blocks_used=40, kv_blocks_total=160, preemptions=7,
+                              rows_per_loop=[9, 8, 6, 5], exit_depth=[4, 0, 3, 2], step_rows=[1] + [0] * 10,
+                              rows_total=1)  # fmt: skip
+    return m
+
+
+def test_text_format_is_valid_idle_and_busy():
+    for m in (ServerMetrics("idle"), busy_metrics()):
+        fams = strict_parse(m.render())
+        assert fams["vllm:num_requests_running"]["type"] == "gauge"
+
+
+def test_aiperf_finds_every_required_name():
+    missing = set(AIPERF_REQUIRED_METRICS) - aiperf_names(strict_parse(busy_metrics().render()))
+    assert not missing, missing
+
+
+def values(text: str, name: str, key: str | None = None, family: str | None = None) -> dict:
+    """{label `key`'s value (None without a key): value} of the samples called `name`."""
+    fam = strict_parse(text)[family or name]
+    return {(lab.get(key) if key else None): v for n, lab, v in fam["samples"] if n == name}
+
+
+def test_labelled_counters_exist_at_zero_before_anything_happens():
+    text = ServerMetrics("m").render()
+    assert values(text, "vllm:request_success_total", "finished_reason") == dict.fromkeys(FINISH_REASONS, 0)
+    assert values(text, "ouro_fast:requests_rejected_total", "reason") == dict.fromkeys(REJECT_REASONS, 0)
+    assert values(text, "ouro_fast:requests_aborted_total", "reason") == dict.fromkeys(ABORT_REASONS, 0)
+    busy = busy_metrics()
+    busy.aborted["a_new_reason"] += 1  # a reason not listed in advance still shows up
+    text = busy.render()
+    assert values(text, "vllm:request_success_total", "finished_reason") == {
+        "stop": 1,
+        "length": 1,
+        "abort": 0,
+    }
+    assert values(text, "ouro_fast:requests_rejected_total", "reason")["overload"] == 2
+    assert values(text, "ouro_fast:requests_aborted_total", "reason") == {
+        **dict.fromkeys(ABORT_REASONS, 0), "a_new_reason": 1}  # fmt: skip
+
+
+def test_the_listed_reasons_are_the_ones_the_server_uses():
+    # Reasons the server counts (client.py, generate.py) are listed in advance, so their series never
+    # appear mid-run.
+    assert set(client._REJECTION_REASONS.values()) <= set(REJECT_REASONS)
+    src = "".join((Path(client.__file__).parent / f).read_text() for f in ("client.py", "generate.py"))
+    used = set(re.findall(r'abort\(handle, "(\w+)"\)', src)) | set(re.findall(r'aborted\["(\w+)"\]', src))
+    assert used and used <= set(ABORT_REASONS), used
+
+
+def test_exits_per_loop_preemptions_and_request_token_histograms():
+    text = busy_metrics().render()
+    assert values(text, "ouro_fast:loop_exits_total", "loop") == {"0": 4, "1": 0, "2": 3, "3": 2}
+    # The exit-depth histogram says the same, cumulatively: depth d = loop index d - 1.
+    depth = values(text, "ouro_fast:token_exit_depth_bucket", "le", family="ouro_fast:token_exit_depth")
+    assert depth == {"1": 4, "2": 4, "3": 7, "4": 9, "+Inf": 9}
+    assert (
+        values(text, "vllm:num_preemptions_total") == values(text, "ouro_fast:preemptions_total") == {None: 7}
+    )
+    fams = strict_parse(text)
+    prompt = {lab["le"]: v for n, lab, v in fams["vllm:request_prompt_tokens"]["samples"] if "le" in lab}
+    assert (prompt["2"], prompt["5"], prompt["200"], prompt["500"], prompt["+Inf"]) == (0, 1, 1, 2, 2)
+    gen = {lab["le"]: v for n, lab, v in fams["vllm:request_generation_tokens"]["samples"] if "le" in lab}
+    assert (gen["1"], gen["2"], gen["5"]) == (1, 1, 2)
+    sums = {n: v for n, lab, v in fams["vllm:request_generation_tokens"]["samples"] if "le" not in lab}
+    assert sums == {"vllm:request_generation_tokens_sum": 4, "vllm:request_generation_tokens_count": 2}
