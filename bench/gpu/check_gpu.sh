@@ -20,7 +20,7 @@ python3 -m pip install -q --no-build-isolation --no-deps . || { echo "project bu
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 t=$SECONDS
 # shellcheck disable=SC2086
-python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" $TESTS
+python3 -P -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" $TESTS
 rc=$?
 echo "tests: rc=$rc in $((SECONDS - t)) s"
 for tag in $PROBES; do
