@@ -6,7 +6,8 @@
 #
 # Device call (repo root, carry .device-wheels):  bash bench/gpu/check_gpu.sh
 # Writes to $OUT: check_gpu.log (everything printed), pytest.xml, engine_probe_pdl.json and
-# engine_probe_nopdl.json. Settings: TESTS (the test files), PROBES ("pdl nopdl").
+# engine_probe_nopdl.json. Settings: TESTS (the test files, or none), PROBES ("pdl nopdl"),
+# PREFETCH_SWEEP (engine_probe's L2 prefetch settings to time, e.g. "0:0,16:1").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -19,10 +20,14 @@ eval "$(bash .device-wheels/install.sh)" || { echo "wheel install failed"; exit 
 python3 -m pip install -q --no-build-isolation --no-deps . || { echo "project build failed"; exit 3; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 t=$SECONDS
-# shellcheck disable=SC2086
-python3 -P -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" $TESTS
-rc=$?
-echo "tests: rc=$rc in $((SECONDS - t)) s"
+rc=0
+if [ "$TESTS" != none ]; then
+  # -P: import the installed ouro_fast (with its compiled core), not the source tree.
+  # shellcheck disable=SC2086
+  python3 -P -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" $TESTS
+  rc=$?
+  echo "tests: rc=$rc in $((SECONDS - t)) s"
+fi
 for tag in $PROBES; do
   t=$SECONDS
   pdl=1

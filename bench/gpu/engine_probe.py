@@ -89,9 +89,11 @@ def main() -> None:
     for _ in range(8):
         eng.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(4):
+        for _ in range(8):
             eng.step()
         torch.cuda.synchronize()
+    if os.environ.get("PROBE_TRACE"):
+        prof.export_chrome_trace(os.path.join(os.environ.get("OUT", "/tmp"), "trace.json"))
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
     print(table)
     tag = os.environ.get("PROBE_TAG", runner)
@@ -111,6 +113,7 @@ def prefetch_sweep(eng: Engine, spec: str) -> list[dict]:
         mb, evict = item.split(":")
         skinny_gemm.L2_PREFETCH_BYTES, skinny_gemm.EVICT_FIRST_WEIGHTS = int(mb) << 20, evict == "1"
         eng.runner.graphs.clear()
+        eng.runner.pool = torch.cuda.graph_pool_handle()  # the old pool may not be reused once emptied
         eng.runner.capture()
         rows.append({"prefetch_mb": int(mb), "evict_first": evict == "1", "steps": graph_step_times(eng)})
         print(json.dumps(rows[-1]), flush=True)

@@ -107,6 +107,7 @@ class GpuModelRunner:
         self.ls_prev = torch.zeros(n + 1, dtype=torch.float32, device=device)
         self.exits = torch.zeros(r, dtype=torch.bool, device=device)
         self.x_last = torch.zeros(r, cfg.hidden_size, dtype=dtype, device=device)
+        self.prop: _Staging | None = None  # propagation pairs, sized on first use
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -201,13 +202,23 @@ class GpuModelRunner:
                     self._graph((b, b, 1))
                     b *= 2
 
+    def _propagate(self, sched) -> None:
+        """Last-exited propagation; the pairs travel through pinned staging (a pageable copy would
+        wait for the whole stream, stalling the host behind steps it launched without waiting)."""
+        k = sched.num_prop
+        if self.prop is None or 2 * k > self.prop.device.numel():
+            self.prop = _Staging({"pairs": (2 * max(k, len(sched.prop_src)),)}, torch.int64, self.device)
+        pairs = self.prop.begin()["pairs"]
+        pairs[:k], pairs[k : 2 * k] = sched.prop_src[:k], sched.prop_dst[:k]
+        self.prop.upload(2 * k)
+        dev = self.prop.dev["pairs"]
+        propagate_kv(self.kv_cache, dev[:k], dev[k : 2 * k])
+
     @torch.inference_mode()
     def execute(self, sched, tables: np.ndarray, sampling: RowSampling) -> StepResult:
         r, n = sched.num_rows, sched.num_step_tokens
         if sched.num_prop:
-            src = torch.from_numpy(sched.prop_src[: sched.num_prop]).to(self.device, non_blocking=True)
-            dst = torch.from_numpy(sched.prop_dst[: sched.num_prop]).to(self.device, non_blocking=True)
-            propagate_kv(self.kv_cache, src, dst)
+            self._propagate(sched)
         shape = self._shape(r, n, int(sched.row_len[:r].max()))
         self._fill(sched, tables, shape[0], shape[1])
         if self.use_graphs and (shape in self.graphs or len(self.graphs) < MAX_GRAPHS):
