@@ -319,3 +319,40 @@ def test_prune_keeps_the_summaries_and_the_log_tail(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == kept
     log = (tmp_path / "aiperf.log").read_text().splitlines()
     assert log[0] == "[first 50 lines dropped]" and log[-1] == f"line {run.LOG_TAIL_LINES + 49}"
+
+
+def test_compare_puts_each_tool_beside_the_other(tmp_path):
+    from bench.aiperf import compare
+
+    a = tmp_path / "a"
+    (a / "latency_c1").mkdir(parents=True)
+    (a / "manifest.json").write_text(json.dumps({"scenarios": [{"scenario": "latency_c1"}]}))
+    summ = {"input_config": {"phases": [{"concurrency": 1}]}, "output_token_throughput": {"avg": 200.0},
+            "request_throughput": {"avg": 3.0}}  # fmt: skip
+    (a / "latency_c1" / "profile_export_aiperf.json").write_text(json.dumps(summ))
+    m = {"time_to_first_token": 12.0, "http_req_waiting": 10.0, "inter_token_latency": 4.0,
+         "request_latency": 100.0, "usage_prompt_tokens": 128, "usage_completion_tokens": 4}  # fmt: skip
+    metrics = {k: {"value": v} for k, v in m.items()} | {"inter_chunk_latency": {"value": [4.0, 8.0]}}
+    rec = {"metadata": {"benchmark_phase": "profiling"}, "metrics": metrics}
+    warm = {**rec, "metadata": {"benchmark_phase": "warmup"}}
+    (a / "latency_c1" / "profile_export.jsonl").write_text(json.dumps(warm) + "\n" + json.dumps(rec) + "\n")
+    v = tmp_path / "v"
+    (v / "results").mkdir(parents=True)
+    runs = [{"label": "full-c1", "concurrency": 1, "result_file": "results/c1.json"},
+            {"label": "full-rate4", "concurrency": None, "result_file": "results/r.json"}]  # fmt: skip
+    (v / "manifest.json").write_text(json.dumps({"runs": runs}))
+    res = {"completed": 1, "output_throughput": 210.0, "request_throughput": 3.1, "ttfts": [0.01],
+           "total_input_tokens": 130,
+           "latencies": [0.1], "output_lens": [4], "itls": [[0.03] * 3]}  # fmt: skip
+    (v / "results" / "c1.json").write_text(json.dumps(res))
+    ai, vl = compare.aiperf_rows(a)[1], compare.vllm_rows(v)[1]
+    assert ai["requests"] == 1 and ai["ttft"]["median"] == 12.0 and ai["ttfb"]["median"] == 10.0
+    assert ai["text_chunks_per_token"] == 3 / 4  # 3 chunks with text for 4 tokens
+    assert vl["tpot"]["median"] == pytest.approx(30.0)  # (100 - 10) ms / (4 - 1)
+    assert vl["text_chunks_per_token"] == 1.0 and list(compare.vllm_rows(v)) == [1]
+    table = compare.table([(a, v)])
+    assert "| 1 | AIPerf (latency_c1) | 1 | 1 | 200.0 | 3.00 | 12.00 / 12.00 | 10.00 |" in table
+    assert (
+        "| 1 | vllm bench serve (full-c1) | 1 | 1 | 210.0 | 3.10 | 10.00 / 10.00 | - | 30.00 / 30.00 |"
+        in table
+    )
