@@ -91,7 +91,7 @@ class GpuModelRunner:
         dtype = next(model.parameters()).dtype
         self.kv_cache = allocate_kv_cache(cfg, num_blocks * block_size, dtype, device)
         self.attn = TritonPagedAttention(self.kv_cache, block_size, cfg.rope_theta, max_model_len)
-        self.sampler = Sampler(vocab_limit, device, seed)
+        self.sampler = Sampler(vocab_limit, device, seed, fused=True)
         self.keep_logits = keep_logits
         self.use_graphs = use_graphs and device.type == "cuda"
         r, n, mb = max_rows, max_tokens, max_blocks_per_seq
@@ -225,10 +225,15 @@ class GpuModelRunner:
             self._graph(shape).replay()
         else:
             self._forward(*shape)
-        if not (sched.row_exit_lo[:r] <= sched.row_loop[:r]).any():
+        loops = sched.row_loop[:r]
+        if not (sched.row_exit_lo[:r] <= loops).any():
             # No row may exit at this loop: nothing to read back, so do not wait for the device.
             return StepResult(np.zeros(r, np.uint8), np.zeros(r, np.int32))
-        exited = self.exits[:r].to(torch.uint8).cpu().numpy()
+        if (sched.row_exit_hi[:r] <= loops).all():
+            # Every row reached its last loop (full depth): the exits are known without a device read.
+            exited = np.ones(r, np.uint8)
+        else:
+            exited = self.exits[:r].to(torch.uint8).cpu().numpy()
         return sample_exited(self, sched, self.x_last[:r], exited, sampling)
 
 

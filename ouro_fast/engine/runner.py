@@ -138,7 +138,9 @@ def sample_exited(
     kept = None
     if rows.size:
         rids = sched.row_rid[rows]
-        logits = runner.model.logits(h_last[torch.from_numpy(rows).to(runner.device)]).float()
+        # All rows exited (full depth): no gather, and no index copy that would wait for the stream.
+        h = h_last if rows.size == r else h_last[torch.from_numpy(rows).to(runner.device)]
+        logits = runner.model.logits(h).float()
         seeds = [None if s < 0 else int(s) for s in sampling.seed[rids]]
         ids = runner.sampler(
             logits,

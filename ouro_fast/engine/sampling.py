@@ -125,9 +125,14 @@ class Sampler:
     top-k then top-p filtering, by the Gumbel-max trick. A seeded row's token
     depends only on its logits, parameters, seed and output_index, never on
     the rest of the batch; unseeded rows draw from the sampler's own generator.
+
+    With fused=True (the GPU runner), a batch whose rows are all greedy or plain
+    unseeded temperature sampling (no top-k, top-p or seed) takes one Triton launch
+    (kernels.sample.sample_gumbel): same distribution, its noise from Philox streams
+    keyed by the sampler seed and a per-call counter instead of the torch generator.
     """
 
-    def __init__(self, vocab_limit: int, device: torch.device | str, seed: int = 0):
+    def __init__(self, vocab_limit: int, device: torch.device | str, seed: int = 0, fused: bool = False):
         if vocab_limit < 1:
             raise ValueError(f"vocab_limit must be >= 1, got {vocab_limit}")
         self.vocab_limit = vocab_limit
@@ -136,6 +141,10 @@ class Sampler:
         self._generator.manual_seed(seed)
         # One generator reseeded per seeded row: no allocation per row.
         self._row_generator = torch.Generator(device=self.device)
+        self.fused = fused
+        self._seed = seed
+        self._fused_calls = 0
+        self._pinned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(
         self,
@@ -153,7 +162,10 @@ class Sampler:
             raise ValueError(
                 "temperature, top_p, top_k, seeds and output_index need one entry per logits row"
             )
-        x = logits[:, : min(self.vocab_limit, logits.shape[1])].float()
+        vocab = min(self.vocab_limit, logits.shape[1])
+        if self.fused and rows and self._plain(temperature, top_p, top_k, seeds):
+            return self._fused_sample(logits, temperature, vocab)
+        x = logits[:, :vocab].float()
         ids = x.argmax(dim=-1)
         temp_cpu = temperature.detach().to("cpu", torch.float32)
         sampled = (temp_cpu >= GREEDY_EPS).nonzero().flatten().tolist()
@@ -172,6 +184,42 @@ class Sampler:
         gumbel = -torch.log(-torch.log(noise.clamp_(min=torch.finfo(torch.float32).tiny)))
         ids[index] = (scaled + gumbel).argmax(dim=-1)
         return ids
+
+    @staticmethod
+    def _plain(temperature, top_p, top_k, seeds) -> bool:
+        """Every row greedy or unfiltered, unseeded sampling: the fused kernel's domain."""
+        if any(s is not None for s in seeds):
+            return False
+        sampled = temperature.detach().cpu() >= GREEDY_EPS
+        return not bool(
+            ((top_k.detach().cpu() > 0) & sampled).any() or ((top_p.detach().cpu() < 1) & sampled).any()
+        )
+
+    def _fused_sample(self, logits: torch.Tensor, temperature: torch.Tensor, vocab: int) -> torch.Tensor:
+        from ..kernels.sample import sample_gumbel
+
+        rows = logits.shape[0]
+        # Per-row Philox seeds from (sampler seed, call, row): deterministic for a given engine seed.
+        base = row_seed(self._seed, self._fused_calls)
+        self._fused_calls += 1
+        seeds = [row_seed(base, r) for r in range(rows)]
+        temps, seed_t = self._staged(rows)
+        temps[:rows] = temperature.detach().to("cpu", torch.float32)
+        seed_t[:rows] = torch.tensor(seeds, dtype=torch.int64)
+        dev = logits.device
+        # Pinned sources: the copies queue behind the logits instead of waiting for them.
+        t_dev = temps[:rows].to(dev, non_blocking=True)
+        s_dev = seed_t[:rows].to(dev, non_blocking=True)
+        return sample_gumbel(logits, t_dev, s_dev, GREEDY_EPS, vocab)
+
+    def _staged(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Reused between calls: each call's ids are read back (a sync) before the next call fills them.
+        if self._pinned is None or self._pinned[0].numel() < rows:
+            pin = self.device.type == "cuda"
+            n = max(64, rows)
+            self._pinned = (torch.empty(n, dtype=torch.float32, pin_memory=pin),
+                            torch.empty(n, dtype=torch.int64, pin_memory=pin))  # fmt: skip
+        return self._pinned
 
     def _uniform_noise(
         self, shape: torch.Size, seeds: list[int | None], output_index: list[int]

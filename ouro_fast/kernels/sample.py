@@ -1,0 +1,72 @@
+"""Greedy and temperature sampling of a logits batch in one launch (Gumbel-max with Philox noise).
+
+The engine's Sampler takes this path when no row asks for top-k, top-p or a seed:
+about a dozen small PyTorch launches (and host round trips) become one kernel at
+every token boundary. Row r: argmax of logits[r, :V] when temperature[r] is below
+the greedy threshold, else argmax of logits / temperature + Gumbel noise, the noise
+drawn by Philox from seeds[r] and the vocabulary index (so a row's draw depends on
+its seed alone, never on the batch). Ties go to the lowest index, as torch.argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check_float, next_pow2
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, out_ptr, V, stride, greedy_eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    temp = tl.load(temp_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    greedy = temp < greedy_eps
+    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < V
+        x = tl.load(logits_ptr + row * stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        if not greedy:
+            # u in (0, 1): -log(-log(u)) is finite.
+            u = tl.maximum(tl.rand(seed, offs), 1.0e-20)
+            x = x * inv_t - tl.log(-tl.log(u))
+        x = tl.where(ok, x, float("-inf"))
+        m = tl.max(x, axis=0)
+        idx = tl.min(tl.where(x == m, offs, V), axis=0)
+        # Strictly greater: an equal maximum in a later block keeps the earlier index.
+        take = m > best
+        best_idx = tl.where(take, idx, best_idx)
+        best = tl.where(take, m, best)
+    tl.store(out_ptr + row, best_idx.to(tl.int64))
+
+
+def sample_gumbel(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, greedy_eps: float, vocab: int
+) -> torch.Tensor:
+    """int64 ids [R]: per row, the argmax (temperature < greedy_eps) or a softmax(logits / t) draw.
+
+    logits [R, >= vocab] (only the first `vocab` columns count); temperature float32 [R] and
+    seeds int64 [R] on logits' device. Deterministic: the same inputs give the same ids.
+    """
+    check_float("logits", logits)
+    r = logits.shape[0]
+    if logits.dim() != 2 or not 0 < vocab <= logits.shape[1]:
+        raise ValueError(f"logits must be [R, >= {vocab}], got {tuple(logits.shape)}")
+    if temperature.shape != (r,) or temperature.dtype != torch.float32:
+        raise ValueError(
+            f"temperature must be float32 [{r}], got {temperature.dtype} {tuple(temperature.shape)}"
+        )
+    if seeds.shape != (r,) or seeds.dtype != torch.int64:
+        raise ValueError(f"seeds must be int64 [{r}], got {seeds.dtype} {tuple(seeds.shape)}")
+    out = torch.empty(r, dtype=torch.int64, device=logits.device)
+    if r:
+        block = min(4096, next_pow2(vocab))
+        warps = 8 if block >= 2048 else 4
+        _sample_kernel[(r,)](
+            logits, temperature, seeds, out, vocab, logits.stride(0), greedy_eps, BLOCK=block, num_warps=warps
+        )
+    return out
