@@ -15,7 +15,7 @@
 # validation, 3 if the set-up failed.
 #
 # Settings (environment): PRESET (ouro-1.4b), DTYPE (bfloat16), DEVICE (cuda), RUNNER (auto), SCALE (4),
-# THRESHOLD (0.5), EXIT_SCENARIOS (latency_c1,batch_c4; '' for none), DEADLINE_S (450: seconds from the
+# THRESHOLD (0.5), FULL_SCENARIOS (smoke,all), EXIT_SCENARIOS (latency_c1,batch_c4; '' for none), DEADLINE_S (450: seconds from the
 # start after which a pass is stopped, its partial results kept), WORK (/tmp/aiperf-gpu), CKPT_DIR
 # (/tmp/serve-ckpt), PYTHON (python3: runs the wrapper and the server), AIPERF_PYTHON (python3). SKIP_SETUP=1 skips the wheels and uses AIPERF (an AIPerf
 # command); with PRESET=tiny DTYPE=float32 DEVICE=cpu RUNNER=torch SCALE=1 the same script runs on a CPU
@@ -32,6 +32,7 @@ RUNNER=${RUNNER:-auto}
 SCALE=${SCALE:-4}
 THRESHOLD=${THRESHOLD:-0.5}
 EXIT_SCENARIOS=${EXIT_SCENARIOS-latency_c1,batch_c4}
+FULL_SCENARIOS=${FULL_SCENARIOS:-smoke,all}
 DEADLINE_S=${DEADLINE_S:-450}
 WORK=${WORK:-/tmp/aiperf-gpu}
 CKPT_DIR=${CKPT_DIR:-/tmp/serve-ckpt}
@@ -78,7 +79,7 @@ pass() {  # pass NAME THRESHOLD SCENARIO...: one wrapper run into $WORK/NAME und
   [ -f "$WORK/$name/summary.md" ] && cp "$WORK/$name/summary.md" "$OUT/aiperf/summary-$name.md"
   [ -f "$WORK/$name/manifest.json" ] && cp "$WORK/$name/manifest.json" "$OUT/aiperf/manifest-$name.json"
 }
-pass full 1.0 --scenario smoke --scenario all
+pass full 1.0 --scenario "$FULL_SCENARIOS"
 [ -n "$EXIT_SCENARIOS" ] && pass "exit$THRESHOLD" "$THRESHOLD" --scenario "$EXIT_SCENARIOS"
 
 # One tarball: only a few files come back from $OUT.
