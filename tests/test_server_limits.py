@@ -93,6 +93,15 @@ def test_overload_answers_429_with_retry_after(server):
     assert completion(server).status_code == 200  # room again
 
 
+def test_invalid_generation_requests_are_counted_as_rejected(server):
+    key = 'ouro_fast:requests_rejected_total{reason="invalid"}'
+    before = server.metrics()[key]
+    assert completion(server, max_tokens=-1).status_code == 400
+    assert completion(server, prompt=12.5).status_code == 400
+    assert completion(server, prompt="").status_code == 400
+    assert server.metrics()[key] == before + 3
+
+
 def test_slow_client_is_aborted_without_slowing_others(server):
     """A client that never reads: once its unsent output exceeds --stream-buffer steps the request
     is aborted and the connection cut, while another request completes normally meanwhile."""

@@ -4,6 +4,7 @@ and the event-loop side of the ring (admission, routing, slow-client drop, abort
 from __future__ import annotations
 
 import asyncio
+import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -304,3 +305,24 @@ def test_not_ready_is_503():
         assert not client.healthy and client.status() == "out of service: RuntimeError: stuck"
 
     asyncio.run(scenario())
+
+
+def test_error_handler_counts_refusals_before_submission_once():
+    app_mod = importlib.import_module("ouro_fast.server.app")  # the module (the package exports the app)
+    metrics = ServerMetrics("m")
+    client = SimpleNamespace(metrics=metrics)
+
+    def run(path: str, err: ApiError, submitted: bool = False) -> int:
+        ctx = SimpleNamespace(submitted=True) if submitted else SimpleNamespace()
+        req = SimpleNamespace(
+            path=path, method="POST", ctx=ctx, app=SimpleNamespace(ctx=SimpleNamespace(client=client))
+        )
+        return asyncio.run(app_mod.on_error(req, err)).status
+
+    assert run("/v1/completions", ApiError(400, "bad max_tokens")) == 400
+    assert run("/v1/chat/completions", ApiError(413, "too large")) == 413
+    # After submission the engine's refusal was already counted by the client; 429s are counted there too.
+    assert run("/v1/completions", ApiError(400, "refused by the engine"), submitted=True) == 400
+    assert run("/v1/completions", ApiError(429, "full")) == 429
+    assert run("/tokenize", ApiError(400, "bad")) == 400  # not a generation request
+    assert metrics.rejected == {"invalid": 2}

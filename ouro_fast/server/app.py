@@ -49,6 +49,10 @@ app.config.ACCESS_LOG = False
 app.config.FALLBACK_ERROR_FORMAT = "json"
 
 
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_INVALID_STATUSES = (400, 413, 422)
+
+
 def _client(request: Request) -> EngineClient:
     return request.app.ctx.client
 
@@ -106,6 +110,10 @@ async def on_error(request: Request, exc: Exception) -> HTTPResponse:
     else:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         err = ApiError(500, f"internal server error: {type(exc).__name__}")
+    submitted = getattr(request.ctx, "submitted", False)
+    if err.status in _INVALID_STATUSES and request.path in _GENERATION_PATHS and not submitted:
+        # Refused while parsing, before the engine saw it (the engine's refusals are counted by the client).
+        _client(request).metrics.rejected["invalid"] += 1
     return generate.json_response(err.body(), err.status, err.headers())
 
 

@@ -24,6 +24,7 @@ async def serve(request, client: EngineClient, req: GenerateRequest) -> HTTPResp
     prompt_ids = req.prompt if isinstance(req.prompt, list) else await client.encode(req.prompt)
     params = protocol.sampling_params(req, len(prompt_ids), info)
     rid = protocol.request_id(request.headers.get("x-request-id"), req.chat)
+    request.ctx.submitted = True  # from here on, a refusal is the engine's, counted by the client
     handle = client.submit(prompt_ids, params, request.transport)
     try:
         if req.stream:
