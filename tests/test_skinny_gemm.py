@@ -213,32 +213,3 @@ def test_cuda_graph_replays_with_new_inputs():
         ref = F.linear(x.float(), w.float())
         for got in outs:
             assert ((got.float() - ref).abs() <= bf16_bound(ref)).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="L2 prefetch and eviction hints exist on the GPU only"
-)
-def test_l2_prefetch_and_evict_first_change_no_bits(monkeypatch):
-    x, w = randn(8, 2048, dtype=torch.bfloat16, seed=31), randn(2048, 2048, dtype=torch.bfloat16, seed=32)
-    nxt = randn(4096, 2048, dtype=torch.bfloat16, seed=33)
-    plain = skinny_linear(x, w)
-    monkeypatch.setattr(skinny_gemm, "L2_PREFETCH_BYTES", 8 << 20)
-    monkeypatch.setattr(skinny_gemm, "EVICT_FIRST_WEIGHTS", True)
-    assert torch.equal(skinny_linear(x, w, prefetch=nxt), plain)
-    assert torch.equal(
-        skinny_linear(x, w, prefetch=nxt, config=cfg(64, 128, 4)), skinny_linear(x, w, config=cfg(64, 128, 4))
-    )
-
-
-def test_prefetch_shares_cover_the_budget(monkeypatch):
-    nxt = torch.empty(1000, 64, dtype=torch.bfloat16)
-    assert skinny_gemm._prefetch_args(nxt, 7, interp=False)[3] == 0  # budget 0: off
-    assert skinny_gemm._prefetch_args(None, 7, interp=False)[3] == 0
-    monkeypatch.setattr(skinny_gemm, "L2_PREFETCH_BYTES", 40_000)
-    assert skinny_gemm._prefetch_args(nxt, 7, interp=True)[3] == 0  # the interpreter has no prefetch
-    for programs in (1, 7, 128):
-        _, per_prog, total, lines, stride = skinny_gemm._prefetch_args(nxt, programs, interp=False)
-        assert stride == 64 and total == 20_000 and per_prog % stride == 0
-        # Every program's lines cover its share, and the shares cover the budget.
-        assert lines * stride >= per_prog and per_prog * programs >= total

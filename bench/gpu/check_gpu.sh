@@ -7,7 +7,7 @@
 # Device call (repo root, carry .device-wheels):  bash bench/gpu/check_gpu.sh
 # Writes to $OUT: check_gpu.log (everything printed), pytest.xml, engine_probe_pdl.json and
 # engine_probe_nopdl.json. Settings: TESTS (the test files, or none), PROBES ("pdl nopdl"),
-# PREFETCH_SWEEP (engine_probe's L2 prefetch settings to time, e.g. "0:0,16:1").
+# PROBE_TRACE=1 (also a torch-profiler trace, trace.json).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the folder that receives the results}"

@@ -75,7 +75,6 @@ def main() -> None:
         print(json.dumps(r), flush=True)
     graph_steps = graph_step_times(eng)
     print(json.dumps({"graph_loop_step": graph_steps}), flush=True)
-    sweep = prefetch_sweep(eng, os.environ.get("PREFETCH_SWEEP", ""))
     free, total = torch.cuda.mem_get_info()
     gib = 2**30
     memory = {"startup_s": round(startup_s, 2),
@@ -99,25 +98,8 @@ def main() -> None:
     tag = os.environ.get("PROBE_TAG", runner)
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, f"engine_probe_{tag}.json"), "w") as f:
-        json.dump({"runner": runner, "results": results, "graph_loop_step": graph_steps,
-                   "prefetch_sweep": sweep, **memory,
+        json.dump({"runner": runner, "results": results, "graph_loop_step": graph_steps, **memory,
                    "profile_top_kernels": table}, f, indent=1)  # fmt: skip
-
-
-def prefetch_sweep(eng: Engine, spec: str) -> list[dict]:
-    """Recapture the decode graphs per "MB:evict_first" setting (comma-separated) and time them."""
-    from ouro_fast.kernels import skinny_gemm
-
-    rows = []
-    for item in filter(None, spec.split(",")):
-        mb, evict = item.split(":")
-        skinny_gemm.L2_PREFETCH_BYTES, skinny_gemm.EVICT_FIRST_WEIGHTS = int(mb) << 20, evict == "1"
-        eng.runner.graphs.clear()
-        eng.runner.pool = torch.cuda.graph_pool_handle()  # the old pool may not be reused once emptied
-        eng.runner.capture()
-        rows.append({"prefetch_mb": int(mb), "evict_first": evict == "1", "steps": graph_step_times(eng)})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
 
 
 def graph_step_times(eng: Engine, replays: int = 200) -> list[dict]:

@@ -39,12 +39,6 @@ from .swiglu import silu_and_mul
 SKINNY_MAX_M = 16
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
 _MIN_COUNTERS = 8192
-# At most this many bytes of the NEXT matmul's weight are prefetched into L2 by a launch given
-# `prefetch` (the decode chain is latency-bound: HBM has spare bandwidth while a kernel ramps).
-L2_PREFETCH_BYTES = 0
-# Stream this launch's own weight with L2 evict-first, so it does not displace prefetched lines.
-EVICT_FIRST_WEIGHTS = False
-_LINE_BYTES = 128
 # The fastest config per (N, K, next_pow2(M)) of the Ouro-1.4B decode matmuls, measured in isolation on
 # the H200 (bench/gpu/gemm_bench.py, bench/results/gpu/h200-2026-11-29/gemm_bench.json); other shapes
 # use default_config. Values: (BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, FUSED_REDUCE, num_warps, num_stages).
@@ -105,37 +99,20 @@ def _load_x(x_ptrs, mask, SILU_MUL_OFF: tl.constexpr, DTYPE: tl.constexpr, INTER
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    # Fire-and-forget: ask L2 to fetch each address's 128-byte line; nothing waits for it.
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _prefetch_share(pf_ptr, pf_per_prog, pf_total, prog, PF_LINES: tl.constexpr, PF_STRIDE: tl.constexpr):
-    # Program `prog` prefetches elements [prog * pf_per_prog, +pf_per_prog) of the next weight.
-    line = tl.arange(0, PF_LINES).to(tl.int64)
-    offs = prog.to(tl.int64) * pf_per_prog + line * PF_STRIDE
-    ok = (line * PF_STRIDE < pf_per_prog) & (offs < pf_total)
-    _prefetch_l2(pf_ptr + tl.where(ok, offs, 0))
-
-
-@triton.jit
 def _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_UPCAST: tl.constexpr, SILU_MUL_OFF: tl.constexpr,
-                 INTERPRETED: tl.constexpr, W_EVICT: tl.constexpr):  # fmt: skip
+                 INTERPRETED: tl.constexpr):  # fmt: skip
     # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_K, BLOCK_M] (x transposed); returns fp32 [BLOCK_M, BLOCK_N].
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy=W_EVICT)
+            w = tl.load(w_ptrs)
             xt = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
         else:
             k_ok = k + offs_k < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy=W_EVICT)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             xt = _load_x(x_ptrs, k_ok[:, None], SILU_MUL_OFF, w.dtype, INTERPRETED)
         if DOT_UPCAST:
             # The interpreter's numpy dot cannot take bf16; products of 16-bit floats are exact in fp32.
@@ -150,18 +127,18 @@ def _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK
 @triton.jit
 def _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL_OFF: tl.constexpr,
-                 INTERPRETED: tl.constexpr, W_EVICT: tl.constexpr):  # fmt: skip
+                 INTERPRETED: tl.constexpr):  # fmt: skip
     # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_M, BLOCK_K]; returns fp32 [BLOCK_M, BLOCK_N].
     # Products accumulate elementwise; the cross-thread sum over K happens once, after the loop.
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy=W_EVICT)
+            w = tl.load(w_ptrs)
             x = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
         else:
             k_ok = k + offs_k < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy=W_EVICT)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             x = _load_x(x_ptrs, k_ok[None, :], SILU_MUL_OFF, w.dtype, INTERPRETED)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
@@ -177,9 +154,6 @@ def _skinny_kernel(
     o_ptr,
     ws_ptr,
     cnt_ptr,
-    pf_ptr,
-    pf_per_prog,
-    pf_total,
     M,
     N,
     K,
@@ -199,18 +173,10 @@ def _skinny_kernel(
     SILU_MUL_OFF: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PF_LINES: tl.constexpr,
-    PF_STRIDE: tl.constexpr,
-    W_EVICT: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of every row, over K range pid_k.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PF_LINES > 0:
-        # The next weight is written by no kernel: prefetch before waiting on the previous kernel.
-        _prefetch_share(
-            pf_ptr, pf_per_prog, pf_total, pid_k * tl.num_programs(0) + pid_n, PF_LINES, PF_STRIDE
-        )
     pdl_enter(USE_PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -224,11 +190,11 @@ def _skinny_kernel(
     if USE_DOT:
         x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
         acc = _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
-                           DOT_PRECISION, DOT_UPCAST, SILU_MUL_OFF, INTERPRETED, W_EVICT)  # fmt: skip
+                           DOT_PRECISION, DOT_UPCAST, SILU_MUL_OFF, INTERPRETED)  # fmt: skip
     else:
         x_ptrs = x_ptr + x_rows[:, None] * stride_xm + (k_start + offs_k)[None, :]
         acc = _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
-                           SILU_MUL_OFF, INTERPRETED, W_EVICT)  # fmt: skip
+                           SILU_MUL_OFF, INTERPRETED)  # fmt: skip
 
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     o_ptrs = o_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -331,7 +297,6 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     config: dict | None = None,
     silu_mul: bool = False,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> out [M, N] in x's dtype, fp32 accumulation, rounded once.
 
@@ -342,9 +307,7 @@ def skinny_linear(
     kernel at any M (for benchmarks). Deterministic: the same inputs give the same
     bits, whatever the scheduling. With silu_mul, x is [M, 2K] (gate then up) and the
     matmul's input is silu_and_mul(x), computed as the chunks are loaded (bit-equal
-    to the two launches). `prefetch` names the weight the NEXT matmul will read: up to
-    L2_PREFETCH_BYTES of it are pulled into L2 while this one runs (GPU only; a hint
-    that never changes results).
+    to the two launches).
     """
     check_float("x", x)
     check_float("w", w)
@@ -368,29 +331,11 @@ def skinny_linear(
     if k == 0:
         return out.zero_()
     cfg = config or skinny_config(n, k, m, _num_sms(x.device))
-    _launch(x, w, out, cfg, k if silu_mul else 0, prefetch)
+    _launch(x, w, out, cfg, k if silu_mul else 0)
     return out
 
 
-def _prefetch_args(nxt: torch.Tensor | None, programs: int, interp: bool) -> tuple:
-    """(pf_ptr, pf_per_prog, pf_total, PF_LINES, PF_STRIDE): each program's share of the next weight."""
-    budget = L2_PREFETCH_BYTES if nxt is not None and not interp else 0
-    if budget <= 0 or nxt.numel() == 0 or not nxt.is_contiguous():
-        return nxt, 0, 0, 0, 1
-    stride = max(1, _LINE_BYTES // nxt.element_size())
-    total = min(nxt.numel(), budget // nxt.element_size())
-    per_prog = triton.cdiv(triton.cdiv(total, programs), stride) * stride
-    return nxt, per_prog, total, next_pow2(per_prog // stride), stride
-
-
-def _launch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    cfg: dict,
-    silu_mul_off: int,
-    nxt: torch.Tensor | None,
-) -> None:
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu_mul_off: int) -> None:
     m, (n, k) = x.shape[0], w.shape
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot, fused = cfg["USE_DOT"], cfg["FUSED_REDUCE"]
@@ -401,17 +346,13 @@ def _launch(
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counters = _counters(x.device, n_tiles) if split > 1 and fused else out
     interp, pdl = interpreting(), pdl_launch(x.device)
-    pf_ptr, pf_per_prog, pf_total, pf_lines, pf_stride = _prefetch_args(nxt, n_tiles * split, interp)
     _skinny_kernel[(n_tiles, split)](
-        x, w, out, ws, counters, w if pf_ptr is None else pf_ptr, pf_per_prog, pf_total,
-        m, n, k, k_per_split, x.stride(0), w.stride(0), out.stride(0),
+        x, w, out, ws, counters, m, n, k, k_per_split, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, FUSED_REDUCE=fused,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
-        INTERPRETED=interp, PF_LINES=pf_lines, PF_STRIDE=pf_stride,
-        W_EVICT="evict_first" if EVICT_FIRST_WEIGHTS and not interp else "",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
+        INTERPRETED=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
     if split > 1 and not fused:
         block = min(1024, next_pow2(n))

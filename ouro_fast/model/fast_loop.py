@@ -26,16 +26,11 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
     x = rms_norm(h, layers[0].input_layernorm.weight, eps)
     for i, layer in enumerate(layers):
         sa, mlp = layer.self_attn, layer.mlp
-        # Each matmul prefetches the next one's weight into L2; the last feeds the next loop's layer 0.
-        qkv_next = layers[(i + 1) % len(layers)].self_attn.qkv_weight
-        q, k, v = skinny_linear(x, sa.qkv_weight, prefetch=sa.o_proj.weight).split(
-            (hq * d, hkv * d, hkv * d), -1
-        )
+        q, k, v = skinny_linear(x, sa.qkv_weight).split((hq * d, hkv * d, hkv * d), dim=-1)
         o = attn(i, q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)).reshape(n, hq * d)
-        a = skinny_linear(o, sa.o_proj.weight, prefetch=mlp.gate_up_weight)
+        a = skinny_linear(o, sa.o_proj.weight)
         h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
-        gu = skinny_linear(m, mlp.gate_up_weight, prefetch=mlp.down_proj.weight)
-        out = skinny_linear(gu, mlp.down_proj.weight, silu_mul=True, prefetch=qkv_next)
+        out = skinny_linear(skinny_linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
         h, x = add_rms_norm(h, out, layer.post_attention_layernorm_2.weight, w_next, eps)
     return x
