@@ -196,7 +196,7 @@ class Sampler:
         )
 
     def _fused_sample(self, logits: torch.Tensor, temperature: torch.Tensor, vocab: int) -> torch.Tensor:
-        from ..kernels.sample import sample_gumbel
+        from ..kernels.sample import sample_gumbel  # here: triton is needed only by the GPU runner
 
         rows = logits.shape[0]
         # Per-row Philox seeds from (sampler seed, call, row): deterministic for a given engine seed.
