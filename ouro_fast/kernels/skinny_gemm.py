@@ -33,7 +33,7 @@ import triton.language as tl
 from ._util import check_float, check_same_dtype, interpreting, next_pow2
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
-from .swiglu import silu_and_mul
+from .swiglu import silu_and_mul, silu_mul
 
 # Above this many rows the matmul is no longer weight-bound: cuBLAS (F.linear) takes over.
 SKINNY_MAX_M = 16
@@ -80,21 +80,21 @@ _DOT_TILES = ((64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 256, 4))
 
 
 @triton.jit
-def _load_x(x_ptrs, mask, SILU_MUL_OFF: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    # The activation chunk; with SILU_MUL_OFF = F > 0 it is silu(x[:, k]) * x[:, F + k], rounded as
-    # silu_and_mul rounds (silu to DTYPE, then the product), so the fused matmul equals the two launches.
+def _load(ptrs, mask):
+    # mask None: an unmasked load (triton takes no `other` without a mask).
     if mask is None:
-        x = tl.load(x_ptrs)
+        return tl.load(ptrs)
     else:
-        x = tl.load(x_ptrs, mask=mask, other=0.0)
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_x(x_ptrs, mask, SILU_MUL_OFF: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    # The activation chunk; with SILU_MUL_OFF = F > 0 it is silu(x[:, k]) * x[:, F + k] rounded as
+    # silu_and_mul rounds it, so the fused matmul equals the two launches bit for bit.
+    x = _load(x_ptrs, mask)
     if SILU_MUL_OFF > 0:
-        if mask is None:
-            u = tl.load(x_ptrs + SILU_MUL_OFF)
-        else:
-            u = tl.load(x_ptrs + SILU_MUL_OFF, mask=mask, other=0.0)
-        g = x.to(tl.float32)
-        act = round_to(g / (1.0 + tl.exp(-g)), DTYPE, INTERPRETED).to(tl.float32)
-        x = round_to(act * u.to(tl.float32), DTYPE, INTERPRETED)
+        x = silu_mul(x.to(tl.float32), _load(x_ptrs + SILU_MUL_OFF, mask).to(tl.float32), DTYPE, INTERPRETED)
     return x
 
 

@@ -12,6 +12,13 @@ from .rounding import round_to
 
 
 @triton.jit
+def silu_mul(g, u, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """silu(g) * u of fp32 g, u, rounded as torch's F.silu(gate) * up in DTYPE (silu, then the product)."""
+    act = round_to(g / (1.0 + tl.exp(-g)), DTYPE, INTERPRETED).to(tl.float32)
+    return round_to(act * u, DTYPE, INTERPRETED)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, o_ptr, F, stride_x, stride_o, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
                          USE_PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -21,9 +28,7 @@ def _silu_and_mul_kernel(x_ptr, o_ptr, F, stride_x, stride_o, BLOCK: tl.constexp
     pdl_enter(USE_PDL)
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + F + offs, mask=mask, other=0.0).to(tl.float32)
-    # silu is rounded to the dtype before the multiply, as F.silu(gate) * up does in torch.
-    act = round_to(g / (1.0 + tl.exp(-g)), dtype, INTERPRETED).to(tl.float32)
-    tl.store(o_ptr + row * stride_o + offs, round_to(act * u, dtype, INTERPRETED), mask=mask)
+    tl.store(o_ptr + row * stride_o + offs, silu_mul(g, u, dtype, INTERPRETED), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
