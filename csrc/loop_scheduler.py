@@ -114,6 +114,7 @@ class LoopScheduler:
     row_exit_hi = cython.declare(object, visibility="readonly")
     row_log1mq = cython.declare(object, visibility="readonly")
     row_new = cython.declare(object, visibility="readonly")
+    row_decode = cython.declare(object, visibility="readonly")
     token_ids = cython.declare(object, visibility="readonly")
     positions = cython.declare(object, visibility="readonly")
     slot_mapping = cython.declare(object, visibility="readonly")
@@ -134,6 +135,7 @@ class LoopScheduler:
     _o_hi: cython.int[:]
     _o_q: cython.float[:]
     _o_new: cython.int[:]
+    _o_dec: cython.int[:]
     _o_ids: cython.longlong[:]
     _o_pos: cython.longlong[:]
     _o_map: cython.longlong[:]
@@ -209,6 +211,8 @@ class LoopScheduler:
             np.zeros(r, np.int32),
         )
         self.row_tok_off, self.row_new = np.zeros(r, np.int32), np.zeros(r, np.int32)
+        self.row_decode = np.zeros(r, np.int32)
+        self._o_dec = self.row_decode
         self.row_exit_lo, self.row_exit_hi = np.zeros(r, np.int32), np.zeros(r, np.int32)
         self.row_log1mq = np.zeros(r, np.float32)
         self.token_ids, self.positions = np.zeros(n, np.int64), np.zeros(n, np.int64)
@@ -306,6 +310,14 @@ class LoopScheduler:
     def kv_slot(self, rid: int) -> int:
         """The request's row in the block tables, -1 while it holds no KV."""
         return self._kv_slot[rid]
+
+    def num_tokens(self, rid: int) -> int:
+        """Known tokens of the request (prompt and outputs so far)."""
+        return self._num_tokens[rid]
+
+    def cap(self, rid: int) -> int:
+        """The token count at which the request finishes (prompt + max new tokens)."""
+        return self._cap[rid]
 
     def tokens(self, rid: int):
         """The request's known token ids (prompt then outputs), a copy."""
@@ -418,6 +430,8 @@ class LoopScheduler:
         self._o_len[r] = n
         self._o_off[r] = off
         self._o_new[r] = 0 if prev else 1
+        # A plain decode row: one generated token that has not exited yet (what run-ahead can drive).
+        self._o_dec[r] = 1 if n == 1 and self._row_live[rid] and self._row_depth[rid] == 0 else 0
         if self._row_live[rid]:
             self._o_lo[r] = self._min_loops[rid] - 1
             self._o_hi[r] = self._max_loops[rid] - 1

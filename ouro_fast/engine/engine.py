@@ -57,6 +57,7 @@ class EngineConfig:
     runner: str = "auto"  # "torch" (reference), "triton" (kernels + CUDA graphs); auto: triton on CUDA
     cuda_graphs: bool = True  # capture decode steps (triton runner on CUDA)
     cpu_threads: int | None = 1  # torch threads on CPU (None: torch's default); leaves a core to HTTP
+    run_ahead: bool = True  # triton runner: decode-only batches launch ahead of their exit read-back
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.by_rid: dict[int, Request] = {}
         self.pending: list[RequestOutput] = []  # finals of aborts, returned by the next step()
+        self.ahead = self._build_run_ahead()
         self.stats = StepStats(num_loops=self.num_loops)
         self.load_seconds = time.monotonic() - t0
         logger.info(
@@ -133,6 +135,14 @@ class Engine:
         if kind not in ("torch", "triton"):
             raise ValueError(f"runner must be auto, torch or triton; got {kind!r}")
         return kind
+
+    def _build_run_ahead(self):
+        cfg = self.config
+        if not (cfg.run_ahead and cfg.refill and not cfg.keep_logits and hasattr(self.runner, "lanes")):
+            return None
+        from .runahead import RunAhead
+
+        return RunAhead(self)
 
     def _build_kv_and_scheduler(self) -> None:
         cfg, mc = self.config, self.model_config
@@ -161,7 +171,7 @@ class Engine:
             cfg.max_num_batched_tokens,
             cfg.refill,
         )
-        n = cfg.max_num_seqs + cfg.max_waiting
+        n = self.scheduler_capacity = cfg.max_num_seqs + cfg.max_waiting
         self.sampling = RowSampling(
             temperature=np.ones(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
             seed=np.full(n, -1, np.int64), num_outputs=np.zeros(n, np.int32),
@@ -189,6 +199,9 @@ class Engine:
     ) -> None:
         """Queue a request. Raises ValueError (a client error) or OverflowError (queue full)."""
         params = params or SamplingParams()
+        if self.ahead is not None and self.ahead.active:
+            # The device runs its lanes without the scheduler: hand the batch back before admitting.
+            self.pending += self.ahead.drain()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate(self.num_loops)
@@ -237,10 +250,12 @@ class Engine:
         """End every request (engine failure or shutdown); returns their final outputs."""
         outs = [self._finish(req, reason, error) for req in list(self.requests.values())]
         outs, self.pending = self.pending + outs, []
+        if self.ahead is not None:
+            self.ahead.reset()  # its launches in flight belong to requests that no longer exist
         return outs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self.pending)
+        return bool(self.requests) or bool(self.pending) or (self.ahead is not None and self.ahead.active)
 
     @property
     def num_running(self) -> int:
@@ -255,10 +270,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one loop for every scheduled row; return the outputs of requests with news."""
         outputs, self.pending = self.pending, []
+        if self.ahead is not None and self.ahead.active:
+            return outputs + self.ahead.step()
         t0 = time.perf_counter()
         rows = self.scheduler.schedule()
         if rows == 0:
             return outputs
+        if self.ahead is not None and self.ahead.eligible() and self.ahead.start():
+            return outputs + self.ahead.step()
         t1 = time.perf_counter()
         result = self.runner.execute(self.scheduler, self.bt.tables, self.sampling)
         t2 = time.perf_counter()

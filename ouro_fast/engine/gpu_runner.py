@@ -23,6 +23,7 @@ from ..model.exit_rule import exit_mask
 from ..model.fast_loop import run_loop_fused
 from ..model.ouro import OuroForCausalLM
 from ..model.triton_attention import TritonBatch, TritonPagedAttention
+from .lanes import DecodeLanes
 from .runner import RowSampling, StepResult, allocate_kv_cache, sample_exited
 
 MAX_GRAPHS = 48  # captured (rows, tokens, max_q_len) shapes; steps beyond run eagerly at the same padding
@@ -110,6 +111,7 @@ class GpuModelRunner:
         self.prop: _Staging | None = None  # propagation pairs, sized on first use
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.lanes = DecodeLanes(self, max_rows, cfg.total_ut_steps, max_blocks_per_seq, seed)
 
     # ---- inputs ----------------------------------------------------------------
 
@@ -201,8 +203,9 @@ class GpuModelRunner:
                 while b <= min(self.max_rows, self.max_tokens):
                     self._graph((b, b, 1))
                     b *= 2
+            self.lanes.capture()
 
-    def _propagate(self, sched) -> None:
+    def propagate(self, sched) -> None:
         """Last-exited propagation; the pairs travel through pinned staging (a pageable copy would
         wait for the whole stream, stalling the host behind steps it launched without waiting)."""
         k = sched.num_prop
@@ -218,7 +221,7 @@ class GpuModelRunner:
     def execute(self, sched, tables: np.ndarray, sampling: RowSampling) -> StepResult:
         r, n = sched.num_rows, sched.num_step_tokens
         if sched.num_prop:
-            self._propagate(sched)
+            self.propagate(sched)
         shape = self._shape(r, n, int(sched.row_len[:r].max()))
         self._fill(sched, tables, shape[0], shape[1])
         if self.use_graphs and (shape in self.graphs or len(self.graphs) < MAX_GRAPHS):

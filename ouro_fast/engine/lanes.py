@@ -1,0 +1,238 @@
+"""Decode lanes: the device drives a decode-only batch by itself, one loop per launch.
+
+A lane is one request's live token. Per launch the device runs one loop for
+every lane at that lane's own depth, evaluates the gate, decides exits, samples
+the exiting lanes, copies an exited token's K/V into the planes it skipped, and
+advances its own state: an exited lane moves to loop 0 of its new token, the
+others to their next loop. The host never has to answer before the next launch,
+so launches can run ahead of the exit read-back (engine/runahead.py replays the
+recorded results into the scheduler one launch behind).
+
+Per launch the device writes one record per lane, [loop, exited, sampled id,
+active], copied to pinned host memory without waiting. A lane stops on the
+device when it samples one of its stop ids or reaches its length cap (the same
+rules as the engine), or when the host kills it (stop strings, aborts).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import propagate_kv
+from ..model.exit_rule import exit_mask
+from ..model.fast_loop import run_loop_fused
+from ..model.triton_attention import TritonBatch
+from .sampling import GREEDY_EPS
+
+MAX_STOP_IDS = 8  # stop token ids a lane checks on the device; requests with more stay host-driven
+RING = 4  # launches whose records can be in flight to the host
+# Philox keys per (launch, lane): odd multipliers below 2**63 spread the two counters apart.
+_STEP_MUL, _LANE_MUL = 0x2545F4914F6CDD1D, 0x5851F42D4C957F2D
+
+
+class DecodeLanes:
+    """Device state and launches of the lanes of one GpuModelRunner (same model, cache and graph pool)."""
+
+    def __init__(self, runner, num_slots: int, num_loops: int, max_blocks: int, seed: int = 0):
+        from .gpu_runner import _Staging  # noqa: PLC0415 (gpu_runner imports this module)
+
+        self.runner, self.model, self.attn = runner, runner.model, runner.attn
+        self.device, self.block_size, self.num_loops = runner.device, runner.block_size, num_loops
+        self.max_lanes = r = runner.max_rows
+        dev, hidden = runner.device, runner.cfg.hidden_size
+        dtype = runner.h_prev.dtype
+        i64 = dict(dtype=torch.int64, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.tok, self.pos, self.kvrow, self.cap = (torch.zeros(r, **i64) for _ in range(4))
+        self.stop_ids = torch.full((r, MAX_STOP_IDS), -1, **i64)
+        self.loop, self.lo, self.hi, self.active = (torch.zeros(r, **i32) for _ in range(4))
+        self.log1mq, self.temp, self.ls = (torch.zeros(r, dtype=torch.float32, device=dev) for _ in range(3))
+        self.h = torch.zeros(r, hidden, dtype=dtype, device=dev)
+        self.tok_off = torch.arange(r, **i32)
+        self.lane_ids = torch.arange(r, **i64)
+        self.launches = torch.zeros(1, **i64)
+        self.seed = seed & ((1 << 62) - 1)
+        self.tables = torch.full((num_slots, num_loops, max_blocks), -1, **i32)
+        self.record = torch.zeros(r, 4, **i64)
+        # Per launch from the host: the kill mask, and block-table rows that changed since the last launch.
+        self.inputs = _Staging({"kill": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}, torch.int32, dev)
+        self.init = _Staging(
+            {"i64": (4 + MAX_STOP_IDS, r), "i32": (4, r), "f32": (3, r)}, torch.int64, dev
+        )  # f32 and i32 parts travel as int64 words
+        pin = dev.type == "cuda"
+        self.host_records = torch.zeros(RING, r, 4, dtype=torch.int64, pin_memory=pin)
+        self.events = [torch.cuda.Event() if pin else None for _ in range(RING)]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.rows = 0
+        self.count = 0  # launches since start()
+
+    # ---- host -> device ----------------------------------------------------------------
+
+    def start(self, lanes: dict, hsrc: torch.Tensor | None, table_rows, tables) -> None:
+        """Load lane state: `lanes` maps field -> numpy array [rows]; hsrc [rows] int64 on the device
+        (index of the lane's carried hidden state in the runner's buffers, -1 for none)."""
+        n = len(lanes["tok"])
+        self.rows = min(_pow2(n), self.max_lanes)
+        a = self.init.begin()
+        i64 = a["i64"]
+        i64[:, :] = 0
+        for j, k in enumerate(("tok", "pos", "kvrow", "cap")):
+            i64[j, :n] = lanes[k]
+        i64[4:4 + MAX_STOP_IDS] = -1
+        i64[4:4 + MAX_STOP_IDS, :n] = lanes["stop_ids"].T
+        i32, f32 = a["i32"], a["f32"]
+        i32[:, :] = 0
+        for j, k in enumerate(("loop", "lo", "hi")):
+            i32[j, :n] = lanes[k]
+        i32[3, :n] = 1  # active
+        f32[:, :] = 0
+        f32[0, :n] = lanes["log1mq"].view("int32")
+        f32[1, :n] = lanes["temp"].view("int32")
+        self.init.upload()
+        d = self.init.dev
+        for j, t in enumerate((self.tok, self.pos, self.kvrow, self.cap)):
+            t.copy_(d["i64"][j])
+        self.stop_ids.copy_(d["i64"][4:4 + MAX_STOP_IDS].T)
+        for j, t in enumerate((self.loop, self.lo, self.hi, self.active)):
+            t.copy_(d["i32"][j])
+        self.log1mq.copy_(d["f32"][0].to(torch.int32).view(torch.float32))
+        self.temp.copy_(d["f32"][1].to(torch.int32).view(torch.float32))
+        self.ls.zero_()
+        if hsrc is not None:
+            # Carried rows take their hidden state and log-survival from the last host-driven step.
+            has = hsrc >= 0
+            src = hsrc.clamp(min=0)
+            self.h[:n] = torch.where(has[:, None], self.runner.h_prev[src], self.h[:n])
+            self.ls[:n] = torch.where(has, self.runner.ls_prev[src], torch.zeros_like(self.ls[:n]))
+        self.count = 0
+        self.launch_inputs(None, table_rows, tables)
+
+    def launch_inputs(self, kill, table_rows, tables) -> None:
+        """Stage the kill mask (lanes the host ended) and the block-table rows that changed."""
+        a = self.inputs.begin()
+        a["kill"][:] = 0
+        if kill is not None:
+            a["kill"][: len(kill)] = kill
+        k = len(table_rows)
+        a["rows"][:k] = table_rows
+        if k:
+            a["tab"][:k] = tables[table_rows].reshape(k, -1)
+        self.inputs.upload(self.inputs.offset["tab"] + k * a["tab"].shape[1])
+        if k:
+            d = self.inputs.dev
+            idx = d["rows"][:k].long()
+            self.tables[idx] = d["tab"][:k].view(k, self.num_loops, -1)
+
+    # ---- the launch ----------------------------------------------------------------------
+
+    def launch(self) -> int:
+        """Run one loop for every lane (a captured graph on CUDA); returns the launch's index."""
+        rows = self.rows
+        g = self.graphs.get(rows)
+        if g is not None:
+            g.replay()
+        else:
+            self._step(rows)
+        i = self.count % RING
+        self.host_records[i, :rows].copy_(self.record[:rows], non_blocking=True)
+        if self.events[i] is not None:
+            self.events[i].record()
+        self.count += 1
+        return self.count - 1
+
+    def result(self, index: int):
+        """The records of launch `index` [rows, 4] (loop, exited, id, active), as numpy, once ready."""
+        i = index % RING
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        return self.host_records[i, : self.rows].numpy()
+
+    def _graph(self, rows: int) -> None:
+        if rows not in self.graphs:
+            r = self.runner
+            state = self._save()
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._step(rows)  # compiles the kernels outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self._restore(state)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=r.pool):
+                self._step(rows)
+            self._restore(state)
+            self.graphs[rows] = g
+
+    def _save(self):
+        # Warm-up and capture run the step for real: keep the lane state as it was.
+        return [t.clone() for t in self._state()]
+
+    def _restore(self, saved) -> None:
+        for t, s in zip(self._state(), saved):
+            t.copy_(s)
+
+    def _state(self):
+        return (self.tok, self.pos, self.loop, self.active, self.h, self.ls, self.launches)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture the lane graphs for every power-of-two lane count (start-up); no lane active."""
+        if self.runner.use_graphs:
+            self.active.zero_()  # so that warm-up and capture write no K/V
+            for b in sorted({min(1 << i, self.max_lanes) for i in range(self.max_lanes.bit_length() + 1)}):
+                self._graph(b)
+
+    def _step(self, rows: int) -> None:
+        """One loop for lanes [0, rows): graph-capturable (fixed shapes, no host reads)."""
+        bs, t_max = self.block_size, self.num_loops
+        act = (self.active[:rows] != 0) & (self.inputs.dev["kill"][:rows] == 0)
+        loop, pos = self.loop[:rows], self.pos[:rows]
+        kv = self.kvrow[:rows].clamp(min=0)
+        blk, off = pos // bs, pos % bs
+
+        def slot_at(plane: torch.Tensor) -> torch.Tensor:
+            # The K/V slot of the lane's live token in loop `plane`.
+            return self.tables[kv, plane.clamp(max=t_max - 1).long(), blk].long() * bs + off
+
+        slot = torch.where(act, slot_at(loop), -1)
+        self.attn.batch = TritonBatch(slot, pos, self.tables[kv, loop.clamp(max=t_max - 1).long()], pos.to(torch.int32),
+                                      act.to(torch.int32), self.tok_off[:rows], 1)  # fmt: skip
+        first = loop == 0
+        h = torch.where(first[:, None], self.model.embed(self.tok[:rows]), self.h[:rows])
+        x = run_loop_fused(self.model, h, self.attn)
+        log_surv = torch.where(first, 0.0, self.ls[:rows]) + F.logsigmoid(-self.model.gate_logits(x))
+        exits = exit_mask(loop, log_surv, self.log1mq[:rows], self.lo[:rows] + 1, self.hi[:rows] + 1) & act
+        ids = self._sample(x, rows)
+        # Last-exited propagation: the exit plane's K/V into every deeper plane, in this launch.
+        src, dst = [], []
+        for j in range(1, t_max):
+            ok = exits & (loop + j < t_max)
+            src.append(torch.where(ok, slot, -1))
+            dst.append(torch.where(ok, slot_at(loop + j), -1))
+        if src:
+            propagate_kv(self.runner.kv_cache, torch.cat(src), torch.cat(dst))
+        self.record[:rows] = torch.stack((loop.long(), exits.long(), ids, act.long()), dim=1)
+        stop = (ids[:, None] == self.stop_ids[:rows]).any(dim=1) | (pos + 2 >= self.cap[:rows])
+        self.tok[:rows] = torch.where(exits, ids, self.tok[:rows])
+        self.pos[:rows] = pos + exits.long()
+        # Inactive lanes keep their loop (they never exit, so they would run past the last one).
+        self.loop[:rows] = torch.where(exits, torch.zeros_like(loop), loop + act.to(torch.int32))
+        self.h[:rows] = x
+        self.ls[:rows] = torch.where(exits, torch.zeros_like(log_surv), log_surv)
+        self.active[:rows] = (act & ~(exits & stop)).to(torch.int32)
+        self.launches += 1
+
+    def _sample(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """A token id per lane (only exiting lanes' ids are used): greedy or Gumbel-max, Philox keyed
+        by (engine seed, launch, lane), so a launch's draws never depend on the host."""
+        from ..kernels.sample import sample_gumbel  # noqa: PLC0415 (triton only on this path)
+
+        logits = self.model.logits(x)
+        seeds = (self.seed + self.launches * _STEP_MUL + self.lane_ids[:rows] * _LANE_MUL) & ((1 << 62) - 1)
+        vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
+        return sample_gumbel(logits, self.temp[:rows], seeds, GREEDY_EPS, vocab)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

@@ -1,0 +1,158 @@
+"""Run-ahead decode (device-driven lanes) against the host-driven step: the same tokens and depths.
+
+The Triton runner runs under TRITON_INTERPRET=1 on a CPU-only machine (eagerly), and
+with CUDA graphs on a GPU. Every case checks that run-ahead actually ran, that the
+greedy tokens and exit loops equal those of run_ahead=False, and that all KV is
+freed at the end.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+
+from ouro_fast.engine.engine import Engine, EngineConfig  # noqa: E402
+from ouro_fast.engine.sampling import SamplingParams  # noqa: E402
+from ouro_fast.model.checkpoints import make_checkpoint  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 18))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(
+        make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=1, dtype="float32", progress=False)
+    )
+
+
+def engine(model_dir, run_ahead=True, **kw):
+    opts = dict(model=model_dir, dtype="float32", runner="triton", max_num_batched_tokens=16)
+    return Engine(EngineConfig(run_ahead=run_ahead, **{**opts, **kw}))
+
+
+def run(eng, requests, hook=None):
+    """requests: (id, prompt, params); hook(engine) runs before every step until it returns True.
+    Returns id -> final output."""
+    for rid, prompt, params in requests:
+        eng.add_request(rid, prompt, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        if hook is not None and hook(eng):
+            hook = None
+        for out in eng.step():
+            if out.finished:
+                assert out.request_id not in done
+                done[out.request_id] = out
+    assert eng.bt.num_free_blocks == eng.bt.num_blocks
+    assert eng.ahead is None or not eng.ahead.active
+    return done
+
+
+def tokens(done):
+    return {k: (o.request.output_ids, o.request.exit_loops, o.finish_reason) for k, o in done.items()}
+
+
+def greedy(max_tokens, threshold=0.5, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, exit_threshold=threshold, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("threshold", [0.5, 1.0])
+def test_same_tokens_and_depths_as_host_driven(model_dir, threshold):
+    # Different caps: lanes end on the device at different launches while the others go on.
+    reqs = [(str(i), p, greedy(2 + 2 * i, threshold)) for i, p in enumerate(PROMPTS)]
+    want = tokens(run(engine(model_dir, run_ahead=False), reqs))
+    eng = engine(model_dir)
+    got = tokens(run(eng, reqs))
+    assert got == want
+    assert eng.ahead.runs >= 1 and eng.ahead.total_launches >= 4
+    if threshold < 1.0:
+        assert len({loop for ids, loops, _ in got.values() for loop in loops}) > 1
+
+
+def test_stop_ids_on_the_device_and_stop_strings_on_the_host(model_dir):
+    base = tokens(run(engine(model_dir, run_ahead=False), [("a", PROMPTS[0], greedy(8))]))
+    stop_tok = base["a"][0][3]  # a stop id the device sees: the lane ends itself
+    eng = engine(model_dir, run_ahead=False)
+    text = eng.tokenizer.decode(base["a"][0][:4])
+    reqs = [
+        ("stop_id", PROMPTS[0], greedy(8, stop_token_ids=[stop_tok])),
+        ("stop_str", PROMPTS[0], greedy(8, stop=[text[-1]]) if text else greedy(8)),
+        ("plain", PROMPTS[1], greedy(8)),
+    ]
+    want = run(eng, reqs)
+    ahead = engine(model_dir)
+    got = run(ahead, reqs)
+    assert tokens(got) == tokens(want)
+    assert {k: o.request.text for k, o in got.items()} == {k: o.request.text for k, o in want.items()}
+    assert got["stop_id"].finish_reason == "stop" and len(got["stop_id"].request.output_ids) <= 4
+    assert ahead.ahead.total_launches > 0
+
+
+def test_request_arriving_mid_run_is_admitted_with_same_tokens(model_dir):
+    late = ("late", PROMPTS[2], greedy(4))
+    want = tokens(run(engine(model_dir, run_ahead=False), [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])]
+                      + [late]))  # fmt: skip
+    eng = engine(model_dir)
+
+    def add_late(e):
+        # Once a run-ahead is under way: the arrival ends it (its launches are replayed first).
+        if e.ahead.active and e.ahead.launched >= 3:
+            e.add_request(*late)
+            assert not e.ahead.active
+            return True
+        return False
+
+    got = tokens(run(eng, [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])], hook=add_late))
+    assert "late" in got
+    assert got == want
+    assert eng.ahead.runs >= 2  # and a new one started once the late prompt was prefilled
+
+
+def test_abort_mid_run_frees_the_lane_and_spares_the_others(model_dir):
+    reqs = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS)]
+    want = tokens(run(engine(model_dir, run_ahead=False), reqs))
+    eng = engine(model_dir)
+
+    def abort(e):
+        if e.ahead.active and e.ahead.launched >= 3:
+            e.abort_request("1")  # its lane is killed at the next launch
+            return True
+        return False
+
+    done = run(eng, reqs, hook=abort)
+    assert done["1"].finish_reason == "abort"
+    got = tokens(done)
+    assert got["0"] == want["0"] and got["2"] == want["2"]
+    assert got["1"][0] == want["1"][0][: len(got["1"][0])]  # a prefix of what it would have said
+
+
+def test_kv_pressure_falls_back_to_the_host_path_with_same_tokens(model_dir):
+    # 24 blocks of 4 tokens over 4 loops: 6 positions-blocks per loop, so requests preempt each other.
+    kw = dict(num_kv_blocks=24, block_size=4)
+    reqs = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])]
+    want = tokens(run(engine(model_dir, run_ahead=False, **kw), reqs))
+    eng = engine(model_dir, **kw)
+    assert tokens(run(eng, reqs)) == want
+
+
+def test_sampled_lanes_draw_differently_per_lane(model_dir):
+    # Same prompt twice at temperature 1: each lane has its own Philox stream.
+    p = SamplingParams(max_tokens=8, temperature=1.0, exit_threshold=1.0, ignore_eos=True)
+    eng = engine(model_dir)
+    done = run(eng, [("x", PROMPTS[0], p), ("y", PROMPTS[0], p)])
+    assert eng.ahead.total_launches > 0
+    x, y = done["x"].request.output_ids, done["y"].request.output_ids
+    assert len(x) == len(y) == 8 and x != y
+    assert all(0 <= t < eng.vocab_limit for t in x + y)
+
+
+def test_ineligible_batches_stay_host_driven(model_dir):
+    eng = engine(model_dir)
+    run(eng, [("s", PROMPTS[0], SamplingParams(max_tokens=4, temperature=1.0, seed=3, ignore_eos=True))])
+    run(eng, [("k", PROMPTS[0], SamplingParams(max_tokens=4, temperature=1.0, top_k=5, ignore_eos=True))])
+    assert eng.ahead.total_launches == 0
+    assert engine(model_dir, run_ahead=False).ahead is None
