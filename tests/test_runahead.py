@@ -57,7 +57,9 @@ def tokens(done):
 
 
 def greedy(max_tokens, threshold=0.5, **kw):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, exit_threshold=threshold, ignore_eos=True, **kw)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0, exit_threshold=threshold, ignore_eos=True, **kw
+    )
 
 
 @pytest.mark.parametrize("threshold", [0.5, 1.0])
@@ -94,8 +96,8 @@ def test_stop_ids_on_the_device_and_stop_strings_on_the_host(model_dir):
 
 def test_request_arriving_mid_run_is_admitted_with_same_tokens(model_dir):
     late = ("late", PROMPTS[2], greedy(4))
-    want = tokens(run(engine(model_dir, run_ahead=False), [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])]
-                      + [late]))  # fmt: skip
+    early = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])]
+    want = tokens(run(engine(model_dir, run_ahead=False), early + [late]))
     eng = engine(model_dir)
 
     def add_late(e):
@@ -106,7 +108,7 @@ def test_request_arriving_mid_run_is_admitted_with_same_tokens(model_dir):
             return True
         return False
 
-    got = tokens(run(eng, [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])], hook=add_late))
+    got = tokens(run(eng, early, hook=add_late))
     assert "late" in got
     assert got == want
     assert eng.ahead.runs >= 2  # and a new one started once the late prompt was prefilled

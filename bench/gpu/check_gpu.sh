@@ -6,7 +6,8 @@
 #
 # Device call (repo root, carry .device-wheels):  bash bench/gpu/check_gpu.sh
 # Writes to $OUT: check_gpu.log (everything printed), pytest.xml, engine_probe_pdl.json and
-# engine_probe_nopdl.json. Settings: TESTS (the test files, or none), PROBES ("pdl nopdl"),
+# engine_probe_nopdl.json. Settings: TESTS (the test files, or none), PROBES ("pdl nopdl"; also
+# "noahead": PDL on, run-ahead decode off),
 # PROBE_TRACE=1 (also a torch-profiler trace, trace.json).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,9 +31,10 @@ if [ "$TESTS" != none ]; then
 fi
 for tag in $PROBES; do
   t=$SECONDS
-  pdl=1
+  pdl=1 ahead=1
   [ "$tag" = nopdl ] && pdl=0
-  OURO_FAST_PDL=$pdl PROBE_TAG=$tag python3 bench/gpu/engine_probe.py || rc=1
+  [ "$tag" = noahead ] && ahead=0
+  OURO_FAST_PDL=$pdl PROBE_RUN_AHEAD=$ahead PROBE_TAG=$tag python3 bench/gpu/engine_probe.py || rc=1
   echo "probe $tag: $((SECONDS - t)) s"
 done
 exit $rc

@@ -66,7 +66,9 @@ def main() -> None:
     if not os.path.exists(os.path.join(CKPT, "model.safetensors")):
         make_checkpoint("ouro-1.4b", CKPT, seed=0, dtype="bfloat16", progress=False)
     t = time.perf_counter()
-    eng = Engine(EngineConfig(model=CKPT, max_num_seqs=64, max_num_batched_tokens=2048, runner=runner))
+    ahead = os.environ.get("PROBE_RUN_AHEAD", "1") != "0"
+    eng = Engine(EngineConfig(model=CKPT, max_num_seqs=64, max_num_batched_tokens=2048, runner=runner,
+                              run_ahead=ahead))  # fmt: skip
     print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.bt.num_blocks} KV blocks", flush=True)
     rng = np.random.default_rng(0)
     startup_s = time.perf_counter() - t
@@ -81,7 +83,7 @@ def main() -> None:
               "max_allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 2),
               "reserved_gib": round(torch.cuda.memory_reserved() / gib, 2),
               "device_used_gib": round((total - free) / gib, 2), "kv_blocks": eng.bt.num_blocks,
-              "pdl": os.environ.get("OURO_FAST_PDL", "1") != "0"}  # fmt: skip
+              "pdl": os.environ.get("OURO_FAST_PDL", "1") != "0", "run_ahead": ahead}  # fmt: skip
     print(json.dumps(memory), flush=True)
     prompt = rng.integers(3, 1000, 128).tolist()
     eng.add_request("profile", prompt, SamplingParams(max_tokens=16, ignore_eos=True))

@@ -12,7 +12,9 @@ between steps live in static buffers indexed by token.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 
 import numpy as np
 import torch
@@ -25,6 +27,8 @@ from ..model.ouro import OuroForCausalLM
 from ..model.triton_attention import TritonBatch, TritonPagedAttention
 from .lanes import DecodeLanes
 from .runner import RowSampling, StepResult, allocate_kv_cache, sample_exited
+
+logger = logging.getLogger("ouro_fast")
 
 MAX_GRAPHS = 48  # captured (rows, tokens, max_q_len) shapes; steps beyond run eagerly at the same padding
 
@@ -182,6 +186,7 @@ class GpuModelRunner:
     def _graph(self, shape: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
         g = self.graphs.get(shape)
         if g is None:
+            t0 = time.perf_counter()
             # Warm up (Triton compiles on first launch) outside the capture, on a side stream.
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -193,6 +198,9 @@ class GpuModelRunner:
             with torch.cuda.graph(g, pool=self.pool):
                 self._forward(*shape)
             self.graphs[shape] = g
+            # After start-up this is a pause every request in the batch sees: say how long it took.
+            logger.info("captured the step graph (rows, tokens, max_q_len)=%s in %.0f ms", shape,
+                        1000 * (time.perf_counter() - t0))  # fmt: skip
         return g
 
     def capture(self) -> None:

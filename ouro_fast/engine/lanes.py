@@ -56,7 +56,8 @@ class DecodeLanes:
         self.tables = torch.full((num_slots, num_loops, max_blocks), -1, **i32)
         self.record = torch.zeros(r, 4, **i64)
         # Per launch from the host: the kill mask, and block-table rows that changed since the last launch.
-        self.inputs = _Staging({"kill": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}, torch.int32, dev)
+        layout = {"kill": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}
+        self.inputs = _Staging(layout, torch.int32, dev)
         self.init = _Staging(
             {"i64": (4 + MAX_STOP_IDS, r), "i32": (4, r), "f32": (3, r)}, torch.int64, dev
         )  # f32 and i32 parts travel as int64 words
@@ -79,8 +80,8 @@ class DecodeLanes:
         i64[:, :] = 0
         for j, k in enumerate(("tok", "pos", "kvrow", "cap")):
             i64[j, :n] = lanes[k]
-        i64[4:4 + MAX_STOP_IDS] = -1
-        i64[4:4 + MAX_STOP_IDS, :n] = lanes["stop_ids"].T
+        i64[4 : 4 + MAX_STOP_IDS] = -1
+        i64[4 : 4 + MAX_STOP_IDS, :n] = lanes["stop_ids"].T
         i32, f32 = a["i32"], a["f32"]
         i32[:, :] = 0
         for j, k in enumerate(("loop", "lo", "hi")):
@@ -93,7 +94,7 @@ class DecodeLanes:
         d = self.init.dev
         for j, t in enumerate((self.tok, self.pos, self.kvrow, self.cap)):
             t.copy_(d["i64"][j])
-        self.stop_ids.copy_(d["i64"][4:4 + MAX_STOP_IDS].T)
+        self.stop_ids.copy_(d["i64"][4 : 4 + MAX_STOP_IDS].T)
         for j, t in enumerate((self.loop, self.lo, self.hi, self.active)):
             t.copy_(d["i32"][j])
         self.log1mq.copy_(d["f32"][0].to(torch.int32).view(torch.float32))
@@ -196,8 +197,9 @@ class DecodeLanes:
             return self.tables[kv, plane.clamp(max=t_max - 1).long(), blk].long() * bs + off
 
         slot = torch.where(act, slot_at(loop), -1)
-        self.attn.batch = TritonBatch(slot, pos, self.tables[kv, loop.clamp(max=t_max - 1).long()], pos.to(torch.int32),
-                                      act.to(torch.int32), self.tok_off[:rows], 1)  # fmt: skip
+        tables_now = self.tables[kv, loop.clamp(max=t_max - 1).long()]
+        self.attn.batch = TritonBatch(slot, pos, tables_now, pos.to(torch.int32), act.to(torch.int32),
+                                      self.tok_off[:rows], 1)  # fmt: skip
         first = loop == 0
         h = torch.where(first[:, None], self.model.embed(self.tok[:rows]), self.h[:rows])
         x = run_loop_fused(self.model, h, self.attn)
