@@ -30,7 +30,9 @@ def model_dir(tmp_path_factory):
 
 
 def engine(model_dir, run_ahead=True, **kw):
+    # A fixed small pool: on a GPU the default takes most free memory, and tests hold two engines.
     opts = dict(model=model_dir, dtype="float32", runner="triton", max_num_batched_tokens=16)
+    opts["num_kv_blocks"] = 256
     return Engine(EngineConfig(run_ahead=run_ahead, **{**opts, **kw}))
 
 
@@ -62,17 +64,18 @@ def greedy(max_tokens, threshold=0.5, **kw):
     )
 
 
-@pytest.mark.parametrize("threshold", [0.5, 1.0])
-def test_same_tokens_and_depths_as_host_driven(model_dir, threshold):
+@pytest.mark.parametrize("thresholds", [(0.5, 0.5, 0.5), (1.0, 0.5, 1.0)])
+def test_same_tokens_and_depths_as_host_driven(model_dir, thresholds):
     # Different caps: lanes end on the device at different launches while the others go on.
-    reqs = [(str(i), p, greedy(2 + 2 * i, threshold)) for i, p in enumerate(PROMPTS)]
+    # Full-depth lanes ride along once one row may exit early.
+    reqs = [(str(i), p, greedy(2 + 2 * i, q)) for i, (p, q) in enumerate(zip(PROMPTS, thresholds))]
     want = tokens(run(engine(model_dir, run_ahead=False), reqs))
     eng = engine(model_dir)
     got = tokens(run(eng, reqs))
     assert got == want
     assert eng.ahead.runs >= 1 and eng.ahead.total_launches >= 4
-    if threshold < 1.0:
-        assert len({loop for ids, loops, _ in got.values() for loop in loops}) > 1
+    assert len({loop for ids, loops, _ in got.values() for loop in loops}) > 1
+    assert got["0"][1] == [3, 3] or thresholds[0] < 1.0
 
 
 def test_stop_ids_on_the_device_and_stop_strings_on_the_host(model_dir):
@@ -143,7 +146,7 @@ def test_kv_pressure_falls_back_to_the_host_path_with_same_tokens(model_dir):
 
 def test_sampled_lanes_draw_differently_per_lane(model_dir):
     # Same prompt twice at temperature 1: each lane has its own Philox stream.
-    p = SamplingParams(max_tokens=8, temperature=1.0, exit_threshold=1.0, ignore_eos=True)
+    p = SamplingParams(max_tokens=8, temperature=1.0, exit_threshold=0.5, ignore_eos=True)
     eng = engine(model_dir)
     done = run(eng, [("x", PROMPTS[0], p), ("y", PROMPTS[0], p)])
     assert eng.ahead.total_launches > 0
@@ -154,7 +157,9 @@ def test_sampled_lanes_draw_differently_per_lane(model_dir):
 
 def test_ineligible_batches_stay_host_driven(model_dir):
     eng = engine(model_dir)
-    run(eng, [("s", PROMPTS[0], SamplingParams(max_tokens=4, temperature=1.0, seed=3, ignore_eos=True))])
-    run(eng, [("k", PROMPTS[0], SamplingParams(max_tokens=4, temperature=1.0, top_k=5, ignore_eos=True))])
+    sampled = dict(max_tokens=3, temperature=1.0, exit_threshold=0.5, ignore_eos=True)
+    run(eng, [("s", PROMPTS[0], SamplingParams(seed=3, **sampled))])  # seeded: the host sampler
+    run(eng, [("k", PROMPTS[0], SamplingParams(top_k=5, **sampled))])  # top-k: the host sampler
+    run(eng, [("f", PROMPTS[0], greedy(3, threshold=1.0))])  # full depth: nothing to wait for
     assert eng.ahead.total_launches == 0
     assert engine(model_dir, run_ahead=False).ahead is None

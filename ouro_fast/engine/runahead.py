@@ -56,6 +56,9 @@ class RunAhead:
             return False
         if not s.row_decode[:r].all():
             return False
+        if not (s.row_exit_lo[:r] < s.row_exit_hi[:r]).any():
+            # Full depth: exits are known in advance and the host path never waits on them.
+            return False
         for rid in s.row_rid[:r]:
             req = e.by_rid[int(rid)]
             p = req.params
@@ -159,8 +162,9 @@ class RunAhead:
         t0 = time.perf_counter()
         if self.replayed > 0:
             s.schedule()  # the first launch ran the schedule made before start()
-        rec = self.lanes.result(self.replayed)
         t1 = time.perf_counter()
+        rec = self.lanes.result(self.replayed)  # waits for the device: counted as model time
+        t2 = time.perf_counter()
         self.replayed += 1
         r = s.num_rows
         if r == 0:
@@ -171,7 +175,6 @@ class RunAhead:
             raise RuntimeError("run-ahead diverged from the scheduler (a bug): rows and device lanes differ")
         exited = rec[lanes, 1].astype(np.uint8)
         sampled = rec[lanes, 2].astype(np.int32)
-        t2 = time.perf_counter()
         events = s.update(exited, sampled)
         t3 = time.perf_counter()
         outputs = e._apply_events(events, StepResult(exited, sampled))
