@@ -107,9 +107,11 @@ def main() -> None:
 def graph_step_times(eng: Engine, replays: int = 200) -> list[dict]:
     """GPU time of one captured decode loop step (all 24 layers) at 1 and 8 rows, by CUDA events.
 
-    Replays the graph on whatever inputs the last step staged (the requests are finished; the
-    writes land in freed KV slots). The floor streams every weight of the 24 layers once at
-    the measured ~4.8 TB/s peak of this GPU.
+    The host-driven step graph replays on staged inputs that write no K/V (one token per
+    row at position 0, slot -1); the run-ahead lane graph (same loop plus the lanes' exit,
+    sampling and propagation work) replays with every lane active on an idle slot. The
+    floor streams every weight of the 24 layers once at the measured ~4.8 TB/s peak of
+    this GPU.
     """
     runner, rows = eng.runner, []
     weight_bytes = 0
@@ -117,22 +119,39 @@ def graph_step_times(eng: Engine, replays: int = 200) -> list[dict]:
         for w in (lay.self_attn.qkv_weight, lay.self_attn.o_proj.weight, lay.mlp.gate_up_weight,
                   lay.mlp.down_proj.weight):  # fmt: skip
             weight_bytes += w.numel() * w.element_size()
-    for shape in ((1, 1, 1), (8, 8, 1)):
-        g = getattr(runner, "graphs", {}).get(shape)
-        if g is None:
-            continue
-        for _ in range(10):
-            g.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / replays
-        floor_ms = weight_bytes / 4.8e12 * 1e3
-        rows.append({"rows": shape[0], "gpu_ms": round(ms, 4), "floor_ms": round(floor_ms, 4),
-                     "fraction_of_floor": round(floor_ms / ms, 3)})  # fmt: skip
+    floor_ms = weight_bytes / 4.8e12 * 1e3
+    a, b = runner.i64.dev, runner.i32.dev
+    a["ids"].zero_(), a["pos"].zero_(), a["slot"].fill_(-1), a["hsrc"].fill_(-1)
+    a["last"].copy_(torch.arange(len(a["last"]))), a["prev_last"].fill_(-1)
+    a["store"].fill_(runner.max_tokens)
+    b["q_start"].zero_(), b["len"].fill_(1), b["tok_off"].copy_(torch.arange(len(b["tok_off"])))
+    b["loop"].zero_(), b["lo"].fill_(127), b["hi"].fill_(127), b["bt"].fill_(0)
+    lanes = getattr(runner, "lanes", None)
+    for n in (1, 8):
+        timed = [("step", getattr(runner, "graphs", {}).get((n, n, 1)))]
+        if lanes is not None and n in lanes.graphs:
+            lanes.kvrow[:n] = 0
+            lanes.tables.zero_()  # every plane in block 0: nothing else runs now
+            lanes.pos[:n], lanes.loop[:n], lanes.lo[:n], lanes.hi[:n] = 0, 0, 0, 3
+            lanes.cap[:n] = 1 << 30
+            lanes.active[:n] = 1
+            timed.append(("lanes", lanes.graphs[n]))
+        for kind, g in timed:
+            if g is None:
+                continue
+            for _ in range(10):
+                g.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end) / replays
+            rows.append({"rows": n, "graph": kind, "gpu_ms": round(ms, 4), "floor_ms": round(floor_ms, 4),
+                         "fraction_of_floor": round(floor_ms / ms, 3)})  # fmt: skip
+        if lanes is not None:
+            lanes.active.zero_()
     return rows
 
 

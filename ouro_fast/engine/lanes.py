@@ -20,15 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import propagate_kv
-from ..model.exit_rule import exit_mask
 from ..model.fast_loop import run_loop_fused
 from ..model.triton_attention import TritonBatch
 from .sampling import GREEDY_EPS
 
 MAX_STOP_IDS = 8  # stop token ids a lane checks on the device; requests with more stay host-driven
 RING = 4  # launches whose records can be in flight to the host
-# Philox keys per (launch, lane): odd multipliers below 2**63 spread the two counters apart.
-_STEP_MUL, _LANE_MUL = 0x2545F4914F6CDD1D, 0x5851F42D4C957F2D
 
 
 class DecodeLanes:
@@ -50,11 +47,11 @@ class DecodeLanes:
         self.log1mq, self.temp, self.ls = (torch.zeros(r, dtype=torch.float32, device=dev) for _ in range(3))
         self.h = torch.zeros(r, hidden, dtype=dtype, device=dev)
         self.tok_off = torch.arange(r, **i32)
-        self.lane_ids = torch.arange(r, **i64)
         self.launches = torch.zeros(1, **i64)
         self.seed = seed & ((1 << 62) - 1)
         self.tables = torch.full((num_slots, num_loops, max_blocks), -1, **i32)
         self.record = torch.zeros(r, 4, **i64)
+        self.prop_src, self.prop_dst = (torch.full(((num_loops - 1) * r,), -1, **i64) for _ in range(2))
         # Per launch from the host: the kill mask, and block-table rows that changed since the last launch.
         layout = {"kill": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}
         self.inputs = _Staging(layout, torch.int32, dev)
@@ -186,54 +183,26 @@ class DecodeLanes:
 
     def _step(self, rows: int) -> None:
         """One loop for lanes [0, rows): graph-capturable (fixed shapes, no host reads)."""
-        bs, t_max = self.block_size, self.num_loops
-        act = (self.active[:rows] != 0) & (self.inputs.dev["kill"][:rows] == 0)
-        loop, pos = self.loop[:rows], self.pos[:rows]
-        kv = self.kvrow[:rows].clamp(min=0)
-        blk, off = pos // bs, pos % bs
+        from ..kernels.lanes import lane_epilogue, lane_prologue  # noqa: PLC0415 (triton only here)
+        from ..kernels.sample import sample_gumbel  # noqa: PLC0415
 
-        def slot_at(plane: torch.Tensor) -> torch.Tensor:
-            # The K/V slot of the lane's live token in loop `plane`.
-            return self.tables[kv, plane.clamp(max=t_max - 1).long(), blk].long() * bs + off
-
-        slot = torch.where(act, slot_at(loop), -1)
-        tables_now = self.tables[kv, loop.clamp(max=t_max - 1).long()]
-        self.attn.batch = TritonBatch(slot, pos, tables_now, pos.to(torch.int32), act.to(torch.int32),
-                                      self.tok_off[:rows], 1)  # fmt: skip
-        first = loop == 0
-        h = torch.where(first[:, None], self.model.embed(self.tok[:rows]), self.h[:rows])
+        bs, kill = self.block_size, self.inputs.dev["kill"][:rows]
+        embed = self.model.model.embed_tokens.weight
+        h, tables, slot, q_start, run, seeds = lane_prologue(self, kill, embed, rows, bs)
+        self.attn.batch = TritonBatch(slot, self.pos[:rows], tables, q_start, run, self.tok_off[:rows], 1)
         x = run_loop_fused(self.model, h, self.attn)
-        log_surv = torch.where(first, 0.0, self.ls[:rows]) + F.logsigmoid(-self.model.gate_logits(x))
-        exits = exit_mask(loop, log_surv, self.log1mq[:rows], self.lo[:rows] + 1, self.hi[:rows] + 1) & act
-        ids = self._sample(x, rows)
-        # Last-exited propagation: the exit plane's K/V into every deeper plane, in this launch.
-        src, dst = [], []
-        for j in range(1, t_max):
-            ok = exits & (loop + j < t_max)
-            src.append(torch.where(ok, slot, -1))
-            dst.append(torch.where(ok, slot_at(loop + j), -1))
-        if src:
-            propagate_kv(self.runner.kv_cache, torch.cat(src), torch.cat(dst))
-        self.record[:rows] = torch.stack((loop.long(), exits.long(), ids, act.long()), dim=1)
-        stop = (ids[:, None] == self.stop_ids[:rows]).any(dim=1) | (pos + 2 >= self.cap[:rows])
-        self.tok[:rows] = torch.where(exits, ids, self.tok[:rows])
-        self.pos[:rows] = pos + exits.long()
-        # Inactive lanes keep their loop (they never exit, so they would run past the last one).
-        self.loop[:rows] = torch.where(exits, torch.zeros_like(loop), loop + act.to(torch.int32))
-        self.h[:rows] = x
-        self.ls[:rows] = torch.where(exits, torch.zeros_like(log_surv), log_surv)
-        self.active[:rows] = (act & ~(exits & stop)).to(torch.int32)
-        self.launches += 1
-
-    def _sample(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """A token id per lane (only exiting lanes' ids are used): greedy or Gumbel-max, Philox keyed
-        by (engine seed, launch, lane), so a launch's draws never depend on the host."""
-        from ..kernels.sample import sample_gumbel  # noqa: PLC0415 (triton only on this path)
-
+        # The same log-survival ops as the host-driven step, so exits match it bit for bit.
+        carried = torch.where(self.loop[:rows] == 0, 0.0, self.ls[:rows])
+        log_surv = carried + F.logsigmoid(-self.model.gate_logits(x))
+        # Every lane samples (only exiting lanes' ids are used): greedy or Gumbel-max, Philox keyed by
+        # (engine seed, launch, lane), so a launch's draws never depend on the host.
         logits = self.model.logits(x)
-        seeds = (self.seed + self.launches * _STEP_MUL + self.lane_ids[:rows] * _LANE_MUL) & ((1 << 62) - 1)
         vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
-        return sample_gumbel(logits, self.temp[:rows], seeds, GREEDY_EPS, vocab)
+        ids = sample_gumbel(logits, self.temp[:rows], seeds, GREEDY_EPS, vocab)
+        src, dst = self.prop_src[: (self.num_loops - 1) * rows], self.prop_dst[: (self.num_loops - 1) * rows]
+        lane_epilogue(self, run, slot, log_surv, ids, x, rows, bs, src, dst)
+        # Last-exited propagation: the exit plane's K/V into every deeper plane, in this launch.
+        propagate_kv(self.runner.kv_cache, src, dst)
 
 
 def _pow2(n: int) -> int:

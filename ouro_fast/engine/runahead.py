@@ -40,6 +40,7 @@ class RunAhead:
         self.lanes = engine.runner.lanes
         self.active = False
         self.lane_rids = np.zeros(0, np.int64)
+        self.lane_early = np.zeros(0, bool)  # lanes whose exit window allows an early exit
         self.lane_of = np.full(engine.scheduler_capacity, -1, np.int64)  # rid -> lane
         self.launched = 0  # launches of this run (the first replays the schedule made before start)
         self.replayed = 0
@@ -92,6 +93,7 @@ class RunAhead:
         }  # fmt: skip
         hsrc = torch.from_numpy(s.hidden_src[:r].copy()).to(runner.device)
         self.lane_of[rids] = np.arange(r)
+        self.lane_early = s.row_exit_lo[:r] < s.row_exit_hi[:r]
         slots = np.unique(s.row_kv_slot[:r]).astype(np.int64)
         self.lanes.start(lanes, hsrc, slots, e.bt.tables)
         self.lanes.launch()
@@ -105,9 +107,11 @@ class RunAhead:
     @torch.inference_mode()
     def step(self) -> list:
         """Launch the next step (unless winding down), then replay the oldest launch in flight."""
-        if self._live().any() and self._reserve(in_flight=self.launched - self.replayed + 1):
+        live = self._live()
+        # Wind down once no live lane can exit early: the host path then never waits either.
+        if (live & self.lane_early).any() and self._reserve(in_flight=self.launched - self.replayed + 1):
             changed = self._changed_slots
-            self.lanes.launch_inputs(self._kill(), changed, self.engine.bt.tables)
+            self.lanes.launch_inputs((~live).astype(np.int32), changed, self.engine.bt.tables)
             self.lanes.launch()
             self.launched += 1
             self.total_launches += 1
@@ -131,9 +135,6 @@ class RunAhead:
     def _live(self) -> np.ndarray:
         s = self.engine.scheduler
         return np.array([s.status(int(rid)) == RUNNING for rid in self.lane_rids], dtype=bool)
-
-    def _kill(self) -> np.ndarray:
-        return (~self._live()).astype(np.int32)
 
     def _reserve(self, in_flight: int) -> bool:
         """Blocks for every position a live lane can reach in the launches in flight (one new
