@@ -187,12 +187,17 @@ class GpuModelRunner:
         g = self.graphs.get(shape)
         if g is None:
             t0 = time.perf_counter()
+            # The warm-up runs the step for real and overwrites the carried state it reads: keep it,
+            # so that the replay below computes this step from the previous step's state, once.
+            carried = (self.h_prev.clone(), self.ls_prev.clone())
             # Warm up (Triton compiles on first launch) outside the capture, on a side stream.
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self._forward(*shape)
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.h_prev.copy_(carried[0])
+            self.ls_prev.copy_(carried[1])
             g = torch.cuda.CUDAGraph()
             # One memory pool for all graphs: they never run at the same time.
             with torch.cuda.graph(g, pool=self.pool):
