@@ -216,8 +216,8 @@ class GpuModelRunner:
                 while b <= min(self.max_rows, self.max_tokens):
                     self._graph((b, b, 1))
                     b *= 2
+                self._compile_prefill_attention()
             self.lanes.capture()
-            self._compile_prefill_attention()
 
     def _compile_prefill_attention(self) -> None:
         """Compile the prefill attention kernel for every max_q_len bucket now: compiling one on
