@@ -18,3 +18,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+if torch.cuda.is_available():
+    import gc
+
+    import pytest
+
+    @pytest.fixture(autouse=True)
+    def _release_gpu_memory():
+        """An engine takes most free GPU memory for its KV pool: free the last test's engines (they
+        may sit in reference cycles) and hand their cached blocks back before the next test."""
+        yield
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -226,7 +226,9 @@ class GpuModelRunner:
 
         cfg, kc, vc = self.cfg, self.kv_cache[0, 0], self.kv_cache[1, 0]
         one = torch.zeros(1, dtype=torch.int32, device=self.device)
-        bt = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
+        # The real block-table row (its stride is part of the compiled variant: Triton specializes
+        # integer arguments equal to 1 or divisible by 16).
+        bt = self.i32.dev["bt"][:1]
         q_len = 2
         while q_len <= min(self.max_tokens, 64):  # beyond 64 the tiles (and the kernel) stay the same
             q = torch.zeros(q_len, cfg.num_attention_heads, cfg.head_dim, dtype=kc.dtype, device=self.device)

@@ -16,6 +16,8 @@ rules as the engine), or when the host kills it (stop strings, aborts).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +36,8 @@ class DecodeLanes:
     def __init__(self, runner, num_slots: int, num_loops: int, max_blocks: int, seed: int = 0):
         from .gpu_runner import _Staging  # noqa: PLC0415 (gpu_runner imports this module)
 
-        self.runner, self.model, self.attn = runner, runner.model, runner.attn
+        # A weak reference (the runner owns the lanes): no cycle keeping the KV pool alive.
+        self.runner, self.model, self.attn = weakref.proxy(runner), runner.model, runner.attn
         self.device, self.block_size, self.num_loops = runner.device, runner.block_size, num_loops
         self.max_lanes = r = runner.max_rows
         dev, hidden = runner.device, runner.cfg.hidden_size

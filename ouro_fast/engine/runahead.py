@@ -21,6 +21,7 @@ ends run-ahead (the in-flight launches are replayed first); the next
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -36,7 +37,8 @@ class RunAhead:
     """The host side of decode lanes, owned by the Engine (engine-owner thread only)."""
 
     def __init__(self, engine):
-        self.engine = engine
+        # A weak reference: an engine dropped by its owner frees its KV pool without waiting for the GC.
+        self.engine = weakref.proxy(engine)
         self.lanes = engine.runner.lanes
         self.active = False
         self.lane_rids = np.zeros(0, np.int64)
