@@ -136,9 +136,12 @@ class Engine:
             raise ValueError(f"runner must be auto, torch or triton; got {kind!r}")
         return kind
 
-    def _build_run_ahead(self):
+    def _run_ahead_wanted(self) -> bool:
         cfg = self.config
-        if not (cfg.run_ahead and cfg.refill and not cfg.keep_logits and hasattr(self.runner, "lanes")):
+        return cfg.run_ahead and cfg.refill and not cfg.keep_logits and self._runner_kind() == "triton"
+
+    def _build_run_ahead(self):
+        if not self._run_ahead_wanted():
             return None
         from .runahead import RunAhead
 
@@ -184,7 +187,7 @@ class Engine:
                 cfg.max_num_batched_tokens, max_blocks_per_seq, self.max_model_len, cfg.seed, cfg.keep_logits,
                 cfg.cuda_graphs,
             )  # fmt: skip
-            self.runner.capture()
+            self.runner.capture(lanes=self._run_ahead_wanted())
         else:
             self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.vocab_limit, self.device,
                                       cfg.seed, cfg.keep_logits)  # fmt: skip

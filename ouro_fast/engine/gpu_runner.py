@@ -208,8 +208,9 @@ class GpuModelRunner:
                         1000 * (time.perf_counter() - t0))  # fmt: skip
         return g
 
-    def capture(self) -> None:
-        """Capture the decode graphs up front (start-up), so no request pays for those captures."""
+    def capture(self, lanes: bool = True) -> None:
+        """Capture the decode graphs up front (start-up), so no request pays for those captures;
+        with `lanes`, the run-ahead lane graphs too."""
         if self.use_graphs:
             with torch.inference_mode():
                 b = 1
@@ -217,7 +218,8 @@ class GpuModelRunner:
                     self._graph((b, b, 1))
                     b *= 2
                 self._compile_prefill_attention()
-            self.lanes.capture()
+            if lanes:
+                self.lanes.capture()
 
     def _compile_prefill_attention(self) -> None:
         """Compile the prefill attention kernel for every max_q_len bucket now: compiling one on
