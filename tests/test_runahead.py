@@ -163,3 +163,25 @@ def test_ineligible_batches_stay_host_driven(model_dir):
     run(eng, [("f", PROMPTS[0], greedy(3, threshold=1.0))])  # full depth: nothing to wait for
     assert eng.ahead.total_launches == 0
     assert engine(model_dir, run_ahead=False).ahead is None
+
+
+def test_an_engine_failure_mid_run_ends_every_request_and_the_engine_recovers(model_dir):
+    # What the server's engine owner does when step() raises: abort_all, then go on serving.
+    reqs = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])]
+    want = tokens(run(engine(model_dir, run_ahead=False), [("again", PROMPTS[2], greedy(4))]))
+    eng = engine(model_dir)
+    for rid, prompt, params in reqs:
+        eng.add_request(rid, prompt, params)
+    while not (eng.ahead.active and eng.ahead.launched >= 2):
+        eng.step()
+    launch = eng.ahead.lanes.launch
+    eng.ahead.lanes.launch = lambda: (_ for _ in ()).throw(RuntimeError("injected launch failure"))
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    eng.ahead.lanes.launch = launch
+    finals = eng.abort_all("error", "the engine step failed")
+    assert sorted(o.request_id for o in finals) == ["0", "1"]
+    assert all(o.finished and o.finish_reason == "error" for o in finals)
+    assert not eng.ahead.active and not eng.has_unfinished_requests()
+    assert eng.bt.num_free_blocks == eng.bt.num_blocks
+    assert tokens(run(eng, [("again", PROMPTS[2], greedy(4))])) == want
