@@ -173,6 +173,11 @@ class ServerMetrics:
             ("ouro_fast:engine_step_failures_total", "Engine steps that raised.", eng.step_failures),
             ("ouro_fast:refills_total", "Rows that joined a batch at a loop boundary.", eng.refills),
             ("ouro_fast:preemptions_total", "Requests preempted to free KV.", eng.preemptions),
+            (
+                "ouro_fast:run_ahead_steps_total",
+                "Engine steps launched by run-ahead decode (before the last step's exits were read).",
+                eng.run_ahead_steps,
+            ),
             ("vllm:num_preemptions_total", "Requests preempted to free KV (vLLM's name).", eng.preemptions),
             ("ouro_fast:owner_wakeups_total", "Loop iterations of the engine-owner thread.", eng.wakeups),
             (
