@@ -64,18 +64,32 @@ def greedy(max_tokens, threshold=0.5, **kw):
     )
 
 
-@pytest.mark.parametrize("thresholds", [(0.5, 0.5, 0.5), (1.0, 0.5, 1.0)])
-def test_same_tokens_and_depths_as_host_driven(model_dir, thresholds):
+WINDOW = {"exit_threshold": 0.3, "min_loops": 2, "max_loops": 3}  # exits only after loop 1 or 2
+
+
+@pytest.mark.parametrize(
+    "policies",
+    [
+        [{"exit_threshold": 0.5}] * 3,
+        # Full-depth lanes ride along once one row may exit early; an exit window clamps depths.
+        [{"exit_threshold": 1.0}, {"exit_threshold": 0.5}, WINDOW],
+    ],
+    ids=["threshold", "mixed"],
+)
+def test_same_tokens_and_depths_as_host_driven(model_dir, policies):
     # Different caps: lanes end on the device at different launches while the others go on.
-    # Full-depth lanes ride along once one row may exit early.
-    reqs = [(str(i), p, greedy(2 + 2 * i, q)) for i, (p, q) in enumerate(zip(PROMPTS, thresholds))]
+    reqs = [
+        (str(i), p, SamplingParams(max_tokens=2 + 2 * i, temperature=0, ignore_eos=True, **pol))
+        for i, (p, pol) in enumerate(zip(PROMPTS, policies))
+    ]
     want = tokens(run(engine(model_dir, run_ahead=False), reqs))
     eng = engine(model_dir)
     got = tokens(run(eng, reqs))
     assert got == want
     assert eng.ahead.runs >= 1 and eng.ahead.total_launches >= 4
     assert len({loop for ids, loops, _ in got.values() for loop in loops}) > 1
-    assert got["0"][1] == [3, 3] or thresholds[0] < 1.0
+    if policies[2] is WINDOW:
+        assert got["0"][1] == [3, 3] and all(1 <= loop <= 2 for loop in got["2"][1])
 
 
 def test_stop_ids_on_the_device_and_stop_strings_on_the_host(model_dir):
