@@ -30,7 +30,6 @@ from .lanes import MAX_STOP_IDS
 from .runner import StepResult
 
 RUNNING = 2  # LoopScheduler status of a request holding KV
-LAG = 1  # launches in flight beyond the one being replayed
 
 
 class RunAhead:
