@@ -26,8 +26,8 @@ if torch.cuda.is_available():
 
     @pytest.fixture(autouse=True)
     def _release_gpu_memory():
-        """An engine takes most free GPU memory for its KV pool: free the last test's engines (they
-        may sit in reference cycles) and hand their cached blocks back before the next test."""
+        """An engine takes most free GPU memory for its KV pool: free the last test's engines (the
+        first one of a process sits in a reference cycle) and hand their cached blocks back."""
         yield
         gc.collect()
         torch.cuda.empty_cache()
