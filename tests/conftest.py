@@ -15,14 +15,24 @@ if _ROOT not in sys.path:
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The tiny preset in float32 with seed 1: the engine tests' shared checkpoint."""
+    from ouro_fast.model.checkpoints import make_checkpoint
+
+    return str(
+        make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=1, dtype="float32", progress=False)
+    )
+
+
 if torch.cuda.is_available():
     import gc
-
-    import pytest
 
     @pytest.fixture(autouse=True)
     def _release_gpu_memory():

@@ -12,17 +12,9 @@ import torch
 from ouro_fast.engine.engine import Engine, EngineConfig
 from ouro_fast.engine.llm import LLM
 from ouro_fast.engine.sampling import SamplingParams
-from ouro_fast.model.checkpoints import make_checkpoint
 from ouro_fast.model.reference import DenseReference
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 40)), [1], [42] * 17, [7, 7, 8, 9, 300, 301]]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(
-        make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=1, dtype="float32", progress=False)
-    )
 
 
 def run(engine, prompts, params):

@@ -17,16 +17,8 @@ pytest.importorskip("triton", reason="triton is not installed (the test extra in
 
 from ouro_fast.engine.engine import Engine, EngineConfig  # noqa: E402
 from ouro_fast.engine.sampling import SamplingParams  # noqa: E402
-from ouro_fast.model.checkpoints import make_checkpoint  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 18))]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(
-        make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=1, dtype="float32", progress=False)
-    )
 
 
 def engine(model_dir, run_ahead=True, **kw):
