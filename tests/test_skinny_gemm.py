@@ -89,6 +89,15 @@ def test_fp16_default_config():
     assert ((got.float() - ref).abs() <= ref.abs() * 2.0**-11 + 1e-3).all()
 
 
+@pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "fma"])
+def test_whole_chunks_and_empty_trailing_splits(use_dot):
+    # K = 128 in 64-wide chunks (the unmasked path) over 4 splits: splits 2 and 3 own no chunk,
+    # so their first-chunk load (issued before the PDL wait) must contribute zeros.
+    x, w = randn(5, 128, seed=21), randn(N, 128, seed=22)
+    got = skinny_linear(x, w, config=cfg(16, 64, 4, use_dot=use_dot))
+    torch.testing.assert_close(got, F.linear(x, w), atol=2e-5, rtol=1e-5)
+
+
 def test_split_reductions_are_bit_identical_and_counters_reset():
     x, w = randn(6, K, dtype=torch.bfloat16, seed=7), randn(N, K, dtype=torch.bfloat16, seed=8)
     fused = skinny_linear(x, w, config=CONFIGS["dot-split3-fused"])

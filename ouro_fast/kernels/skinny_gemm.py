@@ -99,14 +99,18 @@ def _load_x(x_ptrs, mask, SILU_MUL_OFF: tl.constexpr, DTYPE: tl.constexpr, INTER
 
 
 @triton.jit
-def _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+def _dot_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_UPCAST: tl.constexpr, SILU_MUL_OFF: tl.constexpr,
                  INTERPRETED: tl.constexpr):  # fmt: skip
     # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_K, BLOCK_M] (x transposed); returns fp32 [BLOCK_M, BLOCK_N].
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # w_first: the first weight chunk, loaded by the caller (before the PDL wait).
     offs_k = tl.arange(0, BLOCK_K)
-    for k in range(k_start, k_end, BLOCK_K):
+    xt = _load_x(x_ptrs, (k_start + offs_k < k_end)[:, None], SILU_MUL_OFF, w_first.dtype, INTERPRETED)
+    acc = _dot(w_first, xt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION, DOT_UPCAST)
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
             xt = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
@@ -114,25 +118,33 @@ def _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK
             k_ok = k + offs_k < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             xt = _load_x(x_ptrs, k_ok[:, None], SILU_MUL_OFF, w.dtype, INTERPRETED)
-        if DOT_UPCAST:
-            # The interpreter's numpy dot cannot take bf16; products of 16-bit floats are exact in fp32.
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        acc = _dot(w, xt, acc, DOT_PRECISION, DOT_UPCAST)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return tl.trans(acc)
 
 
 @triton.jit
-def _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+def _dot(w, xt, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    if DOT_UPCAST:
+        # The interpreter's numpy dot cannot take bf16; products of 16-bit floats are exact in fp32.
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _fma_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL_OFF: tl.constexpr,
                  INTERPRETED: tl.constexpr):  # fmt: skip
     # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_M, BLOCK_K]; returns fp32 [BLOCK_M, BLOCK_N].
     # Products accumulate elementwise; the cross-thread sum over K happens once, after the loop.
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    for k in range(k_start, k_end, BLOCK_K):
+    x = _load_x(x_ptrs, (k_start + offs_k < k_end)[None, :], SILU_MUL_OFF, w_first.dtype, INTERPRETED)
+    acc = x.to(tl.float32)[:, None, :] * w_first.to(tl.float32)[None, :, :]
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
@@ -144,6 +156,16 @@ def _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _load_first_w(w_ptrs, k_start, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # The CTA's first weight chunk (zeros for an empty K range). With EVEN_K a chunk is wholly in or
+    # out, so the mask is uniform along K and the load stays vectorised.
+    if EVEN_K:
+        return tl.load(w_ptrs, mask=(tl.full([BLOCK_K], 0, tl.int32) + k_start < k_end)[None, :], other=0.0)
+    else:
+        return tl.load(w_ptrs, mask=(k_start + tl.arange(0, BLOCK_K) < k_end)[None, :], other=0.0)
 
 
 # M is not specialised (M == 1, M % 16 == 0 would each compile the kernel again).
@@ -177,23 +199,25 @@ def _skinny_kernel(
     # One program: BLOCK_N output columns of every row, over K range pid_k.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pdl_enter(USE_PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     # Out-of-range rows and columns re-read valid ones (stores are masked), so loads need no N/M mask.
     w_rows = (offs_n % N).to(tl.int64)
-    x_rows = tl.minimum(offs_m, M - 1)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    # No kernel writes the weight: its first chunk streams in while the previous kernel finishes.
+    w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
+    pdl_enter(USE_PDL)
+    x_rows = tl.minimum(offs_m, M - 1)
     if USE_DOT:
         x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
-        acc = _dot_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
+        acc = _dot_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
                            DOT_PRECISION, DOT_UPCAST, SILU_MUL_OFF, INTERPRETED)  # fmt: skip
     else:
         x_ptrs = x_ptr + x_rows[:, None] * stride_xm + (k_start + offs_k)[None, :]
-        acc = _fma_partial(w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
+        acc = _fma_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
                            SILU_MUL_OFF, INTERPRETED)  # fmt: skip
 
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
