@@ -7,7 +7,7 @@
 # Device call (repo root, carry .device-wheels):  bash bench/gpu/check_gpu.sh
 # Writes to $OUT: check_gpu.log (everything printed), pytest.xml, engine_probe_pdl.json and
 # engine_probe_nopdl.json. Settings: TESTS (the test files, or none), PROBES ("pdl nopdl"; also
-# "noahead": PDL on, run-ahead decode off),
+# "noahead": PDL on, run-ahead decode off; "fullahead": run-ahead at full depth too),
 # PROBE_TRACE=1 (also a torch-profiler trace, trace.json).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,6 +34,7 @@ for tag in $PROBES; do
   pdl=1 ahead=1
   [ "$tag" = nopdl ] && pdl=0
   [ "$tag" = noahead ] && ahead=0
+  [ "$tag" = fullahead ] && ahead=full
   OURO_FAST_PDL=$pdl PROBE_RUN_AHEAD=$ahead PROBE_TAG=$tag python3 bench/gpu/engine_probe.py || rc=1
   echo "probe $tag: $((SECONDS - t)) s"
 done

@@ -66,9 +66,10 @@ def main() -> None:
     if not os.path.exists(os.path.join(CKPT, "model.safetensors")):
         make_checkpoint("ouro-1.4b", CKPT, seed=0, dtype="bfloat16", progress=False)
     t = time.perf_counter()
-    ahead = os.environ.get("PROBE_RUN_AHEAD", "1") != "0"
+    # PROBE_RUN_AHEAD: 1 (default: early-exit batches), full (full-depth batches too) or 0 (off).
+    ahead = os.environ.get("PROBE_RUN_AHEAD", "1")
     eng = Engine(EngineConfig(model=CKPT, max_num_seqs=64, max_num_batched_tokens=2048, runner=runner,
-                              run_ahead=ahead))  # fmt: skip
+                              run_ahead=ahead != "0", run_ahead_full_depth=ahead == "full"))  # fmt: skip
     print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.bt.num_blocks} KV blocks", flush=True)
     rng = np.random.default_rng(0)
     startup_s = time.perf_counter() - t

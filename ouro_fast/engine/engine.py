@@ -58,6 +58,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps (triton runner on CUDA)
     cpu_threads: int | None = 1  # torch threads on CPU (None: torch's default); leaves a core to HTTP
     run_ahead: bool = True  # triton runner: decode-only batches launch ahead of their exit read-back
+    # Also at full depth, where it hides the host's per-step work instead of an exit read-back.
+    run_ahead_full_depth: bool = False
 
 
 @dataclass

@@ -42,6 +42,7 @@ class RunAhead:
         self.active = False
         self.lane_rids = np.zeros(0, np.int64)
         self.lane_early = np.zeros(0, bool)  # lanes whose exit window allows an early exit
+        self.full_depth = engine.config.run_ahead_full_depth  # run lanes that cannot exit early too
         self.lane_of = np.full(engine.scheduler_capacity, -1, np.int64)  # rid -> lane
         self.launched = 0  # launches of this run (the first replays the schedule made before start)
         self.replayed = 0
@@ -58,7 +59,7 @@ class RunAhead:
             return False
         if not s.row_decode[:r].all():
             return False
-        if not (s.row_exit_lo[:r] < s.row_exit_hi[:r]).any():
+        if not self.full_depth and not (s.row_exit_lo[:r] < s.row_exit_hi[:r]).any():
             # Full depth: exits are known in advance and the host path never waits on them.
             return False
         for rid in s.row_rid[:r]:
@@ -110,7 +111,8 @@ class RunAhead:
         """Launch the next step (unless winding down), then replay the oldest launch in flight."""
         live = self._live()
         # Wind down once no live lane can exit early: the host path then never waits either.
-        if (live & self.lane_early).any() and self._reserve(in_flight=self.launched - self.replayed + 1):
+        going = (live & (self.lane_early | self.full_depth)).any()
+        if going and self._reserve(in_flight=self.launched - self.replayed + 1):
             changed = self._changed_slots
             self.lanes.launch_inputs((~live).astype(np.int32), changed, self.engine.bt.tables)
             self.lanes.launch()

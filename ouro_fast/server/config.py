@@ -41,6 +41,7 @@ class ServerConfig:
     cuda_graphs: bool = True
     refill: bool = True  # False: batches drain to their slowest row (for comparisons)
     run_ahead: bool = True  # triton runner: decode-only batches launch before their exits are read
+    run_ahead_full_depth: bool = False  # ... also when no row can exit early (hides host work per step)
     api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
     max_body_bytes: int = 8 << 20
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
@@ -68,7 +69,7 @@ class ServerConfig:
         names = (
             "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
             "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
-            "cuda_graphs", "refill", "run_ahead",
+            "cuda_graphs", "refill", "run_ahead", "run_ahead_full_depth",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
