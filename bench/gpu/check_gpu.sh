@@ -7,7 +7,9 @@
 # Device call (repo root, carry .device-wheels):  bash bench/gpu/check_gpu.sh
 # Writes to $OUT: check_gpu.log (everything printed), pytest.xml, engine_probe_pdl.json and
 # engine_probe_nopdl.json. Settings: TESTS (the test files, or none), PROBES ("pdl nopdl"; also
-# "noahead": PDL on, run-ahead decode off; "fullahead": run-ahead at full depth too),
+# "noahead": PDL on, run-ahead decode off; "fullahead": run-ahead at full depth too; or
+# "TAG:VAR=VALUE,VAR=VALUE" for a probe with those environment variables, e.g.
+# "earlyoff:OURO_FAST_EARLY_WEIGHT=0"), PROBE_CASES (engine_probe's cases; "none" for graph times only),
 # PROBE_TRACE=1 (also a torch-profiler trace, trace.json).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,13 +31,16 @@ if [ "$TESTS" != none ]; then
   rc=$?
   echo "tests: rc=$rc in $((SECONDS - t)) s"
 fi
-for tag in $PROBES; do
+for spec in $PROBES; do
   t=$SECONDS
+  tag=${spec%%:*}
   pdl=1 ahead=1
   [ "$tag" = nopdl ] && pdl=0
   [ "$tag" = noahead ] && ahead=0
   [ "$tag" = fullahead ] && ahead=full
-  OURO_FAST_PDL=$pdl PROBE_RUN_AHEAD=$ahead PROBE_TAG=$tag python3 bench/gpu/engine_probe.py || rc=1
+  extra=()
+  [ "$spec" != "$tag" ] && IFS=, read -r -a extra <<< "${spec#*:}"
+  env OURO_FAST_PDL=$pdl PROBE_RUN_AHEAD=$ahead PROBE_TAG="$tag" "${extra[@]}" python3 bench/gpu/engine_probe.py || rc=1
   echo "probe $tag: $((SECONDS - t)) s"
 done
 exit $rc

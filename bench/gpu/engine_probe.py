@@ -73,7 +73,10 @@ def main() -> None:
     print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.bt.num_blocks} KV blocks", flush=True)
     rng = np.random.default_rng(0)
     startup_s = time.perf_counter() - t
-    results = [run_case(eng, rng, conc, q) for conc, q in ((1, 1.0), (8, 1.0), (1, 0.5), (8, 0.5))]
+    # PROBE_CASES: "conc:threshold,..." (default all four), or "none" for the graph step times only.
+    spec = os.environ.get("PROBE_CASES", "1:1.0,8:1.0,1:0.5,8:0.5")
+    cases = [] if spec == "none" else [(int(c), float(q)) for c, q in (x.split(":") for x in spec.split(","))]
+    results = [run_case(eng, rng, conc, q) for conc, q in cases]
     for r in results:
         print(json.dumps(r), flush=True)
     graph_steps = graph_step_times(eng)
@@ -86,6 +89,16 @@ def main() -> None:
               "device_used_gib": round((total - free) / gib, 2), "kv_blocks": eng.bt.num_blocks,
               "pdl": os.environ.get("OURO_FAST_PDL", "1") != "0", "run_ahead": ahead}  # fmt: skip
     print(json.dumps(memory), flush=True)
+    table = profile_table(eng, rng) if os.environ.get("PROBE_PROFILE", "1") != "0" else ""
+    tag = os.environ.get("PROBE_TAG", runner)
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, f"engine_probe_{tag}.json"), "w") as f:
+        json.dump({"runner": runner, "results": results, "graph_loop_step": graph_steps, **memory,
+                   "profile_top_kernels": table}, f, indent=1)  # fmt: skip
+
+
+def profile_table(eng: Engine, rng) -> str:
+    """The torch-profiler table of the top kernels over 8 decode steps of one request."""
     prompt = rng.integers(3, 1000, 128).tolist()
     eng.add_request("profile", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
     for _ in range(8):
@@ -98,11 +111,7 @@ def main() -> None:
         prof.export_chrome_trace(os.path.join(os.environ.get("OUT", "/tmp"), "trace.json"))
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
     print(table)
-    tag = os.environ.get("PROBE_TAG", runner)
-    out = os.environ.get("OUT", "/tmp")
-    with open(os.path.join(out, f"engine_probe_{tag}.json"), "w") as f:
-        json.dump({"runner": runner, "results": results, "graph_loop_step": graph_steps, **memory,
-                   "profile_top_kernels": table}, f, indent=1)  # fmt: skip
+    return table
 
 
 def graph_step_times(eng: Engine, replays: int = 200) -> list[dict]:

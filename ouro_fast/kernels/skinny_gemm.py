@@ -24,6 +24,7 @@ during capture. Calls that share the counters must be ordered (one stream).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,8 @@ from .swiglu import silu_and_mul, silu_mul
 
 # Above this many rows the matmul is no longer weight-bound: cuBLAS (F.linear) takes over.
 SKINNY_MAX_M = 16
+# Load each program's first weight chunk before the PDL wait (OURO_FAST_EARLY_WEIGHT=0: after, for A/B runs).
+EARLY_WEIGHT = os.environ.get("OURO_FAST_EARLY_WEIGHT", "1") != "0"
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
 _MIN_COUNTERS = 8192
 # The fastest config per (N, K, next_pow2(M)) of the Ouro-1.4B decode matmuls, measured in isolation on
@@ -195,6 +198,7 @@ def _skinny_kernel(
     SILU_MUL_OFF: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY_W: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of every row, over K range pid_k.
     pid_n = tl.program_id(0)
@@ -208,8 +212,12 @@ def _skinny_kernel(
     k_end = tl.minimum(K, k_start + k_per_split)
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
     # No kernel writes the weight: its first chunk streams in while the previous kernel finishes.
-    w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
-    pdl_enter(USE_PDL)
+    if EARLY_W:
+        w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
+        pdl_enter(USE_PDL)
+    else:
+        pdl_enter(USE_PDL)
+        w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
     x_rows = tl.minimum(offs_m, M - 1)
     if USE_DOT:
         x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
@@ -376,7 +384,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
         USE_DOT=use_dot, FUSED_REDUCE=fused,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
-        INTERPRETED=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
+        INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl,
     )  # fmt: skip
     if split > 1 and not fused:
         block = min(1024, next_pow2(n))
