@@ -222,3 +222,29 @@ def test_cuda_graph_replays_with_new_inputs():
         ref = F.linear(x.float(), w.float())
         for got in outs:
             assert ((got.float() - ref).abs() <= bf16_bound(ref)).all()
+
+
+@pytest.mark.parametrize("name", ["dot", "dot-split3-fused", "fma"])
+def test_row_gate_skips_the_launch_only_when_no_row_needs_it(name):
+    x, w = randn(3, K, seed=23), randn(N, K, seed=24)
+    gate = torch.zeros(3, dtype=torch.int32, device=DEV)
+    out = torch.full((3, N), 7.0, device=DEV)
+    skinny_linear(x, w, out=out, config=CONFIGS[name], row_gate=gate)
+    assert bool((out == 7.0).all())  # nothing read, nothing written
+    gate[1] = 1  # one row needs its output: every row is computed
+    skinny_linear(x, w, out=out, config=CONFIGS[name], row_gate=gate)
+    torch.testing.assert_close(out, F.linear(x, w), atol=2e-5, rtol=1e-5)
+    if CONFIGS[name]["SPLIT_K"] > 1:
+        assert all(int(buf.abs().sum()) == 0 for buf in skinny_gemm._COUNTERS[x.device])
+
+
+def test_row_gate_errors():
+    x, w = randn(2, K, seed=25), randn(N, K, seed=26)
+    with pytest.raises(ValueError, match="int32"):
+        skinny_linear(x, w, row_gate=torch.ones(2, device=DEV))
+    with pytest.raises(ValueError, match="Triton kernel"):
+        big = randn(SKINNY_MAX_M + 1, K, seed=27)
+        skinny_linear(big, w, row_gate=torch.ones(SKINNY_MAX_M + 1, dtype=torch.int32, device=DEV))
+    ones = torch.ones(2, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="FUSED_REDUCE"):
+        skinny_linear(x, w, config=CONFIGS["dot-split3-pass"], row_gate=ones)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import propagate_kv
+from ..kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear
 from ..model.fast_loop import run_loop_fused
 from ..model.triton_attention import TritonBatch
 from .sampling import GREEDY_EPS
@@ -54,6 +55,9 @@ class DecodeLanes:
         self.seed = seed & ((1 << 62) - 1)
         self.tables = torch.full((num_slots, num_loops, max_blocks), -1, **i32)
         self.record = torch.zeros(r, 4, **i64)
+        # Zeroed once: a launch that skips the lm_head leaves the last logits (finite) for the sampler.
+        vocab = runner.model.lm_head_weight().shape[0]
+        self.logits_buf = torch.zeros(min(r, SKINNY_MAX_M), vocab, dtype=dtype, device=dev)
         self.prop_src, self.prop_dst = (torch.full(((num_loops - 1) * r,), -1, **i64) for _ in range(2))
         # Per launch from the host: the kill mask, and block-table rows that changed since the last launch.
         layout = {"kill": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}
@@ -186,7 +190,7 @@ class DecodeLanes:
 
     def _step(self, rows: int) -> None:
         """One loop for lanes [0, rows): graph-capturable (fixed shapes, no host reads)."""
-        from ..kernels.lanes import lane_epilogue, lane_prologue  # noqa: PLC0415 (triton only here)
+        from ..kernels.lanes import lane_epilogue, lane_exits, lane_prologue  # noqa: PLC0415 (triton only)
         from ..kernels.sample import sample_gumbel  # noqa: PLC0415
 
         bs, kill = self.block_size, self.inputs.dev["kill"][:rows]
@@ -197,15 +201,26 @@ class DecodeLanes:
         # The same log-survival ops as the host-driven step, so exits match it bit for bit.
         carried = torch.where(self.loop[:rows] == 0, 0.0, self.ls[:rows])
         log_surv = carried + F.logsigmoid(-self.model.gate_logits(x))
+        exits = lane_exits(self, run, log_surv, rows)
+        logits = self._lm_head(x, exits)
         # Every lane samples (only exiting lanes' ids are used): greedy or Gumbel-max, Philox keyed by
         # (engine seed, launch, lane), so a launch's draws never depend on the host.
-        logits = self.model.logits(x)
         vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
         ids = sample_gumbel(logits, self.temp[:rows], seeds, GREEDY_EPS, vocab)
         src, dst = self.prop_src[: (self.num_loops - 1) * rows], self.prop_dst[: (self.num_loops - 1) * rows]
-        lane_epilogue(self, run, slot, log_surv, ids, x, rows, bs, src, dst)
+        lane_epilogue(self, run, slot, log_surv, exits, ids, x, rows, bs, src, dst)
         # Last-exited propagation: the exit plane's K/V into every deeper plane, in this launch.
         propagate_kv(self.runner.kv_cache, src, dst)
+
+    def _lm_head(self, x: torch.Tensor, exits: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab]. Up to SKINNY_MAX_M lanes a launch where no lane exits skips the
+        weight stream (the stale logits then feed samples nobody reads); beyond, cuBLAS always."""
+        rows = x.shape[0]
+        if rows > SKINNY_MAX_M:
+            return self.model.logits(x)
+        weight = self.model.lm_head_weight()
+        out = self.logits_buf[:rows]
+        return skinny_linear(x, weight, out=out, row_gate=exits)
 
 
 def _pow2(n: int) -> int:

@@ -2,11 +2,12 @@
 
 lane_prologue: per lane, whether it runs (active and not killed), its K/V slot at its
 loop, its block table for that loop, its hidden input (the token's embedding at loop
-0, else the carried state) and its Philox seed. lane_epilogue: per lane, the exit
+0, else the carried state) and its Philox seed. lane_exits: per lane, the exit
 decision (the rule of model/exit_rule.exit_mask, on the log-survival computed by the
-caller), the propagation pairs of an exit, the launch record, the stop check and the
-next state. One program per lane each; about a hundred tiny PyTorch launches
-otherwise, which cost more GPU time than the loop's attention.
+caller), before the lm_head so that a launch where no lane exits can skip it.
+lane_epilogue: per lane, the propagation pairs of an exit, the launch record, the stop
+check and the next state. One program per lane each; about a hundred tiny PyTorch
+launches otherwise, which cost more GPU time than the loop's attention.
 """
 
 from __future__ import annotations
@@ -53,8 +54,21 @@ def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr
 
 
 @triton.jit
-def _epilogue_kernel(run_ptr, slot_ptr, log_surv_ptr, ids_ptr, x_ptr, stride_x,
-                     loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, lo_ptr, hi_ptr, log1mq_ptr, cap_ptr, stop_ptr,
+def _exits_kernel(run_ptr, loop_ptr, log_surv_ptr, lo_ptr, hi_ptr, log1mq_ptr, exits_ptr):
+    r = tl.program_id(0)
+    run = tl.load(run_ptr + r) != 0
+    log_surv = tl.load(log_surv_ptr + r)
+    log1mq = tl.load(log1mq_ptr + r)
+    # exit_mask, on 1-based loop counts: forced at max_loops, else once survival drops to 1 - q.
+    done = tl.load(loop_ptr + r) + 1
+    reached = (log1mq > float("-inf")) & (log_surv <= log1mq)
+    exits = run & ((done >= tl.load(hi_ptr + r) + 1) | ((done >= tl.load(lo_ptr + r) + 1) & reached))
+    tl.store(exits_ptr + r, exits.to(tl.int32))
+
+
+@triton.jit
+def _epilogue_kernel(run_ptr, slot_ptr, log_surv_ptr, exits_ptr, ids_ptr, x_ptr, stride_x,
+                     loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, cap_ptr, stop_ptr,
                      ls_ptr, active_ptr, h_lane_ptr, stride_hl, launches_ptr, tables_ptr, stride_ts,
                      stride_tl, record_ptr, src_ptr, dst_ptr, R, HIDDEN, BS: tl.constexpr, T: tl.constexpr,
                      NUM_STOP: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
@@ -63,11 +77,7 @@ def _epilogue_kernel(run_ptr, slot_ptr, log_surv_ptr, ids_ptr, x_ptr, stride_x,
     loop = tl.load(loop_ptr + r)
     pos = tl.load(pos_ptr + r)
     log_surv = tl.load(log_surv_ptr + r)
-    log1mq = tl.load(log1mq_ptr + r)
-    # exit_mask, on 1-based loop counts: forced at max_loops, else once survival drops to 1 - q.
-    done = loop + 1
-    reached = (log1mq > float("-inf")) & (log_surv <= log1mq)
-    exits = run & ((done >= tl.load(hi_ptr + r) + 1) | ((done >= tl.load(lo_ptr + r) + 1) & reached))
+    exits = tl.load(exits_ptr + r) != 0
     token = tl.load(ids_ptr + r)
     # Last-exited propagation: the exit plane's slot into each deeper plane's slot (-1: no pair).
     slot = tl.load(slot_ptr + r)
@@ -121,13 +131,20 @@ def lane_prologue(lanes, kill: torch.Tensor, embed: torch.Tensor, rows: int, blo
     return h_in, bt, slot, q_start, run, seeds
 
 
-def lane_epilogue(lanes, run, slot, log_surv, ids, x, rows: int, block_size: int, src, dst) -> None:
-    """Exits, record, propagation pairs (src/dst [(T-1) * rows]) and the next state of lanes [0, rows)."""
+def lane_exits(lanes, run, log_surv, rows: int) -> torch.Tensor:
+    """int32 [rows]: 1 where lane r's token exits at this launch's loop (0 for lanes that do not run)."""
+    exits = torch.empty(rows, dtype=torch.int32, device=run.device)
+    _exits_kernel[(rows,)](run, lanes.loop, log_surv, lanes.lo, lanes.hi, lanes.log1mq, exits)
+    return exits
+
+
+def lane_epilogue(lanes, run, slot, log_surv, exits, ids, x, rows: int, block_size: int, src, dst) -> None:
+    """Record, propagation pairs (src/dst [(T-1) * rows]) and the next state of lanes [0, rows)."""
     hidden = lanes.h.shape[1]
     t, num_stop = lanes.tables.shape[1], lanes.stop_ids.shape[1]
     _epilogue_kernel[(rows,)](
-        run, slot, log_surv, ids, x, x.stride(0), lanes.loop, lanes.pos, lanes.kvrow, lanes.tok,
-        lanes.lo, lanes.hi, lanes.log1mq, lanes.cap, lanes.stop_ids, lanes.ls, lanes.active, lanes.h,
+        run, slot, log_surv, exits, ids, x, x.stride(0), lanes.loop, lanes.pos, lanes.kvrow, lanes.tok,
+        lanes.cap, lanes.stop_ids, lanes.ls, lanes.active, lanes.h,
         lanes.h.stride(0), lanes.launches, lanes.tables, lanes.tables.stride(0), lanes.tables.stride(1),
         lanes.record, src, dst, rows, hidden,
         BS=block_size, T=t, NUM_STOP=num_stop, BLOCK_H=min(1024, next_pow2(hidden)),

@@ -179,6 +179,7 @@ def _skinny_kernel(
     o_ptr,
     ws_ptr,
     cnt_ptr,
+    gate_ptr,
     M,
     N,
     K,
@@ -199,6 +200,7 @@ def _skinny_kernel(
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_W: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of every row, over K range pid_k.
     pid_n = tl.program_id(0)
@@ -212,7 +214,13 @@ def _skinny_kernel(
     k_end = tl.minimum(K, k_start + k_per_split)
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
     # No kernel writes the weight: its first chunk streams in while the previous kernel finishes.
-    if EARLY_W:
+    if GATED:
+        # Rows with gate 0 need no output: when no row needs one, skip the weight stream entirely.
+        pdl_enter(USE_PDL)
+        if tl.max(tl.load(gate_ptr + offs_m, mask=offs_m < M, other=0), axis=0) == 0:
+            return
+        w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
+    elif EARLY_W:
         w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
         pdl_enter(USE_PDL)
     else:
@@ -329,6 +337,7 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     config: dict | None = None,
     silu_mul: bool = False,
+    row_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> out [M, N] in x's dtype, fp32 accumulation, rounded once.
 
@@ -339,7 +348,9 @@ def skinny_linear(
     kernel at any M (for benchmarks). Deterministic: the same inputs give the same
     bits, whatever the scheduling. With silu_mul, x is [M, 2K] (gate then up) and the
     matmul's input is silu_and_mul(x), computed as the chunks are loaded (bit-equal
-    to the two launches).
+    to the two launches). row_gate (int32 [M], on the device, Triton kernel only): when
+    every entry is 0 the launch reads no weight and `out` is left as it was, else it is
+    computed for every row; so a captured launch can skip work no row needs.
     """
     check_float("x", x)
     check_float("w", w)
@@ -354,7 +365,11 @@ def skinny_linear(
         check_same_dtype(x=x, out=out)
         if out.shape != (m, n):
             raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
+    if row_gate is not None and (row_gate.shape != (m,) or row_gate.dtype != torch.int32):
+        raise ValueError(f"row_gate must be int32 [{m}], got {row_gate.dtype} {tuple(row_gate.shape)}")
     if m > SKINNY_MAX_M and config is None:
+        if row_gate is not None:
+            raise ValueError(f"row_gate needs the Triton kernel: at most {SKINNY_MAX_M} rows, got {m}")
         a = silu_and_mul(x) if silu_mul else x
         return F.linear(a, w) if out is None else torch.matmul(a, w.t(), out=out)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
@@ -363,11 +378,14 @@ def skinny_linear(
     if k == 0:
         return out.zero_()
     cfg = config or skinny_config(n, k, m, _num_sms(x.device))
-    _launch(x, w, out, cfg, k if silu_mul else 0)
+    if row_gate is not None and cfg["SPLIT_K"] > 1 and not cfg["FUSED_REDUCE"]:
+        raise ValueError("row_gate needs SPLIT_K 1 or FUSED_REDUCE (a second pass would not see the gate)")
+    _launch(x, w, out, cfg, k if silu_mul else 0, row_gate)
     return out
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu_mul_off: int) -> None:
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu_mul_off: int,
+            gate: torch.Tensor | None) -> None:  # fmt: skip
     m, (n, k) = x.shape[0], w.shape
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot, fused = cfg["USE_DOT"], cfg["FUSED_REDUCE"]
@@ -379,13 +397,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
     counters = _counters(x.device, n_tiles) if split > 1 and fused else out
     interp, pdl = interpreting(), pdl_launch(x.device)
     _skinny_kernel[(n_tiles, split)](
-        x, w, out, ws, counters, m, n, k, k_per_split, x.stride(0), w.stride(0), out.stride(0),
+        x, w, out, ws, counters, out if gate is None else gate, m, n, k, k_per_split,
+        x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, FUSED_REDUCE=fused,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
-        INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl,
+        INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, GATED=gate is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
     if split > 1 and not fused:
         block = min(1024, next_pow2(n))

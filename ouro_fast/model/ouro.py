@@ -166,6 +166,9 @@ class OuroForCausalLM(nn.Module):
         """Exit-gate logit per token [N], in float32."""
         return self.model.early_exit_gate(h).squeeze(-1).float()
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the lm_head's weight (the embedding's when the two are tied)."""
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, weight)
+        return F.linear(h, self.lm_head_weight())
