@@ -205,3 +205,14 @@ def test_full_depth_runs_ahead_only_when_asked(model_dir):
     assert got == want
     assert all(loops == [eng.num_loops - 1] * len(loops) for _, loops, _ in got.values())  # 0-based
     assert eng.ahead.runs >= 1 and eng.ahead.total_launches >= 2 * eng.num_loops
+
+
+def test_deeper_run_ahead_gives_the_same_tokens(model_dir):
+    # Two launches queued ahead of the replayed one: more KV reserved ahead, kills a launch later.
+    reqs = [(str(i), p, greedy(3 + 2 * i)) for i, p in enumerate(PROMPTS)]
+    want = tokens(run(engine(model_dir, run_ahead=False), reqs))
+    eng = engine(model_dir, run_ahead_depth=2)
+    assert tokens(run(eng, reqs)) == want
+    assert eng.ahead.runs >= 1 and eng.ahead.total_launches >= 6
+    with pytest.raises(ValueError, match="run_ahead_depth"):
+        engine(model_dir, run_ahead_depth=4)

@@ -66,10 +66,13 @@ def main() -> None:
     if not os.path.exists(os.path.join(CKPT, "model.safetensors")):
         make_checkpoint("ouro-1.4b", CKPT, seed=0, dtype="bfloat16", progress=False)
     t = time.perf_counter()
-    # PROBE_RUN_AHEAD: 1 (default: early-exit batches), full (full-depth batches too) or 0 (off).
+    # PROBE_RUN_AHEAD: 1 (default: early-exit batches), full (full-depth batches too) or 0 (off);
+    # PROBE_RUN_AHEAD_DEPTH: launches queued ahead (1..3).
     ahead = os.environ.get("PROBE_RUN_AHEAD", "1")
+    depth = int(os.environ.get("PROBE_RUN_AHEAD_DEPTH", "1"))
     eng = Engine(EngineConfig(model=CKPT, max_num_seqs=64, max_num_batched_tokens=2048, runner=runner,
-                              run_ahead=ahead != "0", run_ahead_full_depth=ahead == "full"))  # fmt: skip
+                              run_ahead=ahead != "0", run_ahead_full_depth=ahead == "full",
+                              run_ahead_depth=depth))  # fmt: skip
     print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.bt.num_blocks} KV blocks", flush=True)
     rng = np.random.default_rng(0)
     startup_s = time.perf_counter() - t
@@ -87,7 +90,8 @@ def main() -> None:
               "max_allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 2),
               "reserved_gib": round(torch.cuda.memory_reserved() / gib, 2),
               "device_used_gib": round((total - free) / gib, 2), "kv_blocks": eng.bt.num_blocks,
-              "pdl": os.environ.get("OURO_FAST_PDL", "1") != "0", "run_ahead": ahead}  # fmt: skip
+              "pdl": os.environ.get("OURO_FAST_PDL", "1") != "0", "run_ahead": ahead,
+              "run_ahead_depth": depth}  # fmt: skip
     print(json.dumps(memory), flush=True)
     table = profile_table(eng, rng) if os.environ.get("PROBE_PROFILE", "1") != "0" else ""
     tag = os.environ.get("PROBE_TAG", runner)

@@ -60,6 +60,7 @@ class EngineConfig:
     run_ahead: bool = True  # triton runner: decode-only batches launch ahead of their exit read-back
     # Also at full depth, where it hides the host's per-step work instead of an exit read-back.
     run_ahead_full_depth: bool = False
+    run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
 
 
 @dataclass

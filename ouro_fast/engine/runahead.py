@@ -26,7 +26,7 @@ import weakref
 import numpy as np
 import torch
 
-from .lanes import MAX_STOP_IDS
+from .lanes import MAX_STOP_IDS, RING
 from .runner import StepResult
 
 RUNNING = 2  # LoopScheduler status of a request holding KV
@@ -43,6 +43,9 @@ class RunAhead:
         self.lane_rids = np.zeros(0, np.int64)
         self.lane_early = np.zeros(0, bool)  # lanes whose exit window allows an early exit
         self.full_depth = engine.config.run_ahead_full_depth  # run lanes that cannot exit early too
+        self.depth = engine.config.run_ahead_depth  # launches queued beyond the one being replayed
+        if not 1 <= self.depth < RING:
+            raise ValueError(f"run_ahead_depth must be 1..{RING - 1}, got {self.depth}")
         self.lane_of = np.full(engine.scheduler_capacity, -1, np.int64)  # rid -> lane
         self.launched = 0  # launches of this run (the first replays the schedule made before start)
         self.replayed = 0
@@ -112,9 +115,11 @@ class RunAhead:
         live = self._live()
         # Wind down once no live lane can exit early: the host path then never waits either.
         going = (live & (self.lane_early | self.full_depth)).any()
-        if going and self._reserve(in_flight=self.launched - self.replayed + 1):
-            changed = self._changed_slots
-            self.lanes.launch_inputs((~live).astype(np.int32), changed, self.engine.bt.tables)
+        # Keep `depth` launches queued behind the one replayed now.
+        while going and self.launched - self.replayed <= self.depth:
+            if not self._reserve(in_flight=self.launched - self.replayed + 1):
+                break
+            self.lanes.launch_inputs((~live).astype(np.int32), self._changed_slots, self.engine.bt.tables)
             self.lanes.launch()
             self.launched += 1
             self.total_launches += 1

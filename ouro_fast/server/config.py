@@ -42,6 +42,7 @@ class ServerConfig:
     refill: bool = True  # False: batches drain to their slowest row (for comparisons)
     run_ahead: bool = True  # triton runner: decode-only batches launch before their exits are read
     run_ahead_full_depth: bool = False  # ... also when no row can exit early (hides host work per step)
+    run_ahead_depth: int = 1  # launches queued ahead of the one the host reads back (1..3)
     api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
     max_body_bytes: int = 8 << 20
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
@@ -70,6 +71,7 @@ class ServerConfig:
             "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
             "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
             "cuda_graphs", "refill", "run_ahead", "run_ahead_full_depth",
+            "run_ahead_depth",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
