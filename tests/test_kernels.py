@@ -405,3 +405,30 @@ def test_fused_loop_recipe_matches_run_loop(dtype):
             got = fused_run_loop(model, h, tri_attn)
         tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
         torch.testing.assert_close(got, expect, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_run_loop_fused_matches_run_loop(dtype):
+    # The engine's loop (fused model, norms fused into the matmuls up to 16 tokens, cuBLAS and
+    # separate norms beyond) against the reference loop, over calls of 3 to 20 tokens.
+    from ouro_fast.model.fast_loop import run_loop_fused  # noqa: PLC0415
+
+    model = make_model(dtype)
+    fused = make_model(dtype)
+    fused.fuse()
+    shape = (2, CFG.num_hidden_layers, BT.num_blocks * 4, CFG.num_key_value_heads, CFG.head_dim)
+    ref_attn = PagedTorchAttention(torch.zeros(shape, dtype=dtype, device=DEV))
+    tri_attn = TritonPagedAttention(torch.zeros(shape, dtype=dtype, device=DEV), 4, CFG.rope_theta, 64)
+    sizes = set()
+    for i, rows in enumerate(CALLS):
+        sched, ref_batch, _ = schedule(rows)
+        sizes.add(sched.num_step_tokens)
+        h = torch.randn(sched.num_step_tokens, CFG.hidden_size, generator=gen(300 + i)).to(DEV, dtype)
+        with torch.no_grad():
+            ref_attn.batch = ref_batch
+            expect = model.run_loop(h, torch.from_numpy(sched.positions).to(DEV), ref_attn)
+            tri_attn.batch = TritonBatch.from_schedule(sched, BT.tables, DEV)
+            got = run_loop_fused(fused, h.clone(), tri_attn)
+        tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+        torch.testing.assert_close(got, expect, **tol)
+    assert min(sizes) <= 16 < max(sizes)  # both the fused-norm and the fallback path ran
