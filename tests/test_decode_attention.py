@@ -1,4 +1,5 @@
-"""Split-KV decode attention against a plain PyTorch reference and against paged_attention."""
+"""Split-KV decode attention against a plain PyTorch reference and against paged_attention; the
+one-launch fused decode (RoPE + K/V write + attention + merge) against the three launches, bit for bit."""
 
 import os
 
@@ -10,14 +11,25 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: pip install 'triton>=3.0')")
 
-from ouro_fast.kernels import paged_attention, paged_decode_attention  # noqa: E402
+from ouro_fast.kernels import (  # noqa: E402
+    fused_decode,
+    fused_decode_attention,
+    paged_attention,
+    paged_decode_attention,
+    rope_cos_sin_table,
+    rope_write_kv,
+)
 from ouro_fast.kernels.decode_attention import decode_config  # noqa: E402
 from ouro_fast.model import triton_attention  # noqa: E402
 from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16: one rounding of the output (either side of a tie can round differently).
-TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2}}
+TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
+    torch.float16: {"atol": 3e-3, "rtol": 3e-3},
+}
 # Contexts (query position + 1) of the rows; 0 marks a padding row. With 8 splits of whole
 # 16-position tiles, contexts 1..16 use one split, 17 two, 100 seven, 300 all eight.
 CONTEXTS = [1, 15, 0, 16, 17, 100, 300]
@@ -169,3 +181,174 @@ def test_backend_routes_decode_calls_to_the_split_kernel(monkeypatch):
     check_expect = reference(q, kc, vc, meta, bs)
     for tok, expect in check_expect.items():
         torch.testing.assert_close(got[tok].cpu().double(), expect, **TOL[torch.float32])
+
+
+# ---- the fused one-launch decode against rope_write_kv + paged_decode_attention ----
+
+THETA = 10000.0
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def rope_case(contexts, block_size, hq, hkv, d, dtype, seed=0, no_write=()):
+    """decode_case plus UNROTATED q, k, v (column views of one qkv output), slots, positions, cos/sin.
+
+    Row r's token writes its K/V to its slot of position row_q_start[r], except rows in
+    no_write (slot -1: K/V already in the cache). Tokens of no row have slot -1 and a junk
+    position (the table is shorter: it is clamped).
+    """
+    q0, kc, vc, meta = decode_case(contexts, block_size, hq, hkv, d, dtype, seed=seed)
+    n = q0.shape[0]
+    qkv = randn(n, (hq + 2 * hkv) * d, dtype=dtype, seed=seed + 4)
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=1)
+    slots = torch.full((n,), -1, dtype=torch.int64)
+    positions = torch.full((n,), 10**6, dtype=torch.int64)
+    tables = meta["block_tables"].cpu()
+    for r in range(tables.shape[0]):
+        if meta["row_len"][r] == 0:
+            continue
+        tok, pos = int(meta["row_tok_off"][r]), int(meta["row_q_start"][r])
+        positions[tok] = pos
+        if r not in no_write:
+            slots[tok] = int(tables[r, pos // block_size]) * block_size + pos % block_size
+    cos_sin = rope_cos_sin_table(max(contexts) + 8, d, THETA, DEV)
+    return dict(
+        q=q.view(n, hq, d), k=k.view(n, hkv, d), v=v.view(n, hkv, d), k_cache=kc, v_cache=vc,
+        slot_mapping=slots.to(DEV), positions=positions.to(DEV), cos_sin=cos_sin, **meta,
+    )  # fmt: skip
+
+
+def three_launches(case, block_size, config):
+    """(out, q rotated, k_cache, v_cache) of rope_write_kv then paged_decode_attention, on cache copies."""
+    kc, vc = case["k_cache"].clone(), case["v_cache"].clone()
+    q_rot = rope_write_kv(case["q"], case["k"], case["v"], kc, vc, case["slot_mapping"], case["positions"],
+                          case["cos_sin"])  # fmt: skip
+    meta = {key: case[key] for key in ("block_tables", "row_q_start", "row_len", "row_tok_off")}
+    sentinel = torch.full_like(q_rot, 7.0)
+    out = paged_decode_attention(q_rot, kc, vc, **meta, block_size=block_size, out=sentinel, config=config)
+    return out, q_rot, kc, vc, meta
+
+
+def fused(case, block_size, config):
+    """(out, k_cache, v_cache) of fused_decode_attention on cache copies; q, k, v must stay as they were."""
+    inputs = [case[key].clone() for key in ("q", "k", "v")]
+    kc, vc = case["k_cache"].clone(), case["v_cache"].clone()
+    out = torch.full_like(case["q"], 7.0)
+    got = fused_decode_attention(**{**case, "k_cache": kc, "v_cache": vc}, block_size=block_size, out=out,
+                                 config=config)  # fmt: skip
+    assert got is out
+    for before, key in zip(inputs, ("q", "k", "v")):
+        assert_same_bits(case[key], before)
+    return got, kc, vc
+
+
+def assert_same_bits(got, expect):
+    ints = INT_VIEW[expect.dtype]
+    assert got.dtype == expect.dtype and got.shape == expect.shape
+    assert torch.equal(got.contiguous().view(ints), expect.contiguous().view(ints))
+
+
+def check_fused(case, block_size, config, dtype):
+    got, kc, vc = fused(case, block_size, config)
+    expect, q_rot, kc_ref, vc_ref, meta = three_launches(case, block_size, config)
+    assert_same_bits(got, expect)
+    assert_same_bits(kc, kc_ref)
+    assert_same_bits(vc, vc_ref)
+    # Also right, not only equal: against float64 attention over the rotated q and the written cache.
+    check_against_reference(got, q_rot, kc, vc, meta, block_size, dtype)
+    return kc
+
+
+@pytest.mark.usefixtures("nan_scratch")
+@pytest.mark.parametrize("splits", [1, 4, 16])
+@pytest.mark.parametrize("hq, hkv", [(2, 2), (4, 2)], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_decode_equals_three_launches(dtype, hq, hkv, splits):
+    # Rows 1 and 5 (contexts 15 and 100) carry slot -1: no write, their own K/V read from the cache.
+    case = rope_case(CONTEXTS, 4, hq, hkv, 32, dtype, seed=hq + splits, no_write=(1, 5))
+    kc = check_fused(case, 4, {"NUM_SPLITS": splits, "BLOCK_N": 16}, dtype)
+    written = case["slot_mapping"] >= 0
+    assert int(written.sum()) == 4
+    assert bool((kc[case["slot_mapping"][written]] != case["k_cache"][case["slot_mapping"][written]]).any())
+
+
+@pytest.mark.parametrize(
+    "config, hq, hkv, d, dtype",
+    [
+        ({"NUM_SPLITS": 4, "BLOCK_N": 8}, 6, 2, 48, torch.float16),  # group 3 padded to 4, d 48 to 64
+        (None, 16, 16, 128, torch.bfloat16),  # the default config at Ouro's head shape
+    ],
+    ids=["gqa3-d48-fp16", "default-ouro-heads-bf16"],
+)
+@pytest.mark.usefixtures("nan_scratch")
+def test_fused_decode_shapes(config, hq, hkv, d, dtype):
+    contexts = [1, 0, 17, 100] if d < 128 else [1, 0, 70]
+    case = rope_case(contexts, 4, hq, hkv, d, dtype, seed=d)
+    check_fused(case, 4, config, dtype)
+
+
+@pytest.mark.usefixtures("nan_scratch")
+def test_fused_decode_resets_its_counters():
+    # Two calls of one shape share the counters: the second is right only if the first left them at 0.
+    for seed in (1, 2):
+        case = rope_case(CONTEXTS, 4, 4, 2, 16, torch.float32, seed=seed, no_write=(3,))
+        check_fused(case, 4, {"NUM_SPLITS": 8, "BLOCK_N": 8}, torch.float32)
+        counters = fused_decode._COUNTERS[case["q"].device]
+        assert len(counters) == 1 and not counters[0].any()
+
+
+def test_fused_decode_rejects_bad_inputs():
+    case = rope_case([3], 4, 2, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        fused(case, 4, {"NUM_SPLITS": 3})
+    with pytest.raises(ValueError, match="cos_sin"):
+        fused({**case, "cos_sin": case["cos_sin"].double()}, 4, None)
+    with pytest.raises(ValueError, match="k and v"):
+        fused({**case, "v": case["v"][:, :1]}, 4, None)
+
+
+def rope_backend(case, block_size, layer=1):
+    """A two-layer TritonPagedAttention with RoPE whose layer `layer` holds the case's cache."""
+    cache = torch.stack([case["k_cache"], case["v_cache"]])[:, None].repeat(1, 2, 1, 1, 1)
+    cache[:, 1 - layer] = 0
+    attn = TritonPagedAttention(cache, block_size, THETA, max_positions=case["cos_sin"].shape[0])
+    assert torch.equal(attn.cos_sin, case["cos_sin"])
+    return attn
+
+
+def test_backend_routes_rope_decode_calls_to_the_fused_kernel(monkeypatch):
+    hq, hkv, d, bs = 4, 2, 16, 4
+    case = rope_case([9, 0, 30, 1], bs, hq, hkv, d, torch.float32, seed=21, no_write=(3,))
+    expect, _, kc_ref, vc_ref, meta = three_launches(case, bs, None)
+    attn = rope_backend(case, bs)
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(args)
+        return fused_decode_attention(*args, **kw)
+
+    monkeypatch.setattr(triton_attention, "fused_decode_attention", spy)
+    for name in ("rope_write_kv", "paged_decode_attention", "paged_attention"):
+        monkeypatch.setattr(triton_attention, name, None)  # a decode call with RoPE must reach none of them
+    attn.batch = TritonBatch(case["slot_mapping"], case["positions"], *meta.values(), max_q_len=1)
+    got = attn(1, case["q"], case["k"], case["v"])
+    assert len(calls) == 1
+    rows = meta["row_tok_off"][meta["row_len"] > 0].long()
+    assert_same_bits(got[rows], expect[rows])
+    # The layer's cache views are strided: the kernel wrote through them, and left layer 0 alone.
+    assert_same_bits(attn.kv_cache[0, 1], kc_ref)
+    assert_same_bits(attn.kv_cache[1, 1], vc_ref)
+    assert not attn.kv_cache[:, 0].any()
+
+
+def test_backend_keeps_prefill_calls_on_the_three_kernel_path(monkeypatch):
+    hq, hkv, d, bs = 4, 2, 16, 4
+    case = rope_case([9, 0, 30], bs, hq, hkv, d, torch.float32, seed=23)
+    expect, _, kc_ref, _, meta = three_launches(case, bs, None)
+    attn = rope_backend(case, bs)
+    monkeypatch.setattr(triton_attention, "fused_decode_attention", None)  # a prefill call must not reach it
+    # The same single-token rows under a prefill bound (max_q_len 2) take rope_write_kv + paged_attention.
+    attn.batch = TritonBatch(case["slot_mapping"], case["positions"], *meta.values(), max_q_len=2)
+    got = attn(1, case["q"].clone(), case["k"], case["v"])
+    rows = meta["row_tok_off"][meta["row_len"] > 0].long()
+    torch.testing.assert_close(got[rows], expect[rows], **TOL[torch.float32])
+    assert_same_bits(attn.kv_cache[0, 1], kc_ref)

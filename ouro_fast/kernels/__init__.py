@@ -9,6 +9,7 @@ before importing triton to run them on the CPU (slowly: tests only).
 
 from .attention import paged_attention
 from .decode_attention import paged_decode_attention
+from .fused_decode import fused_decode_attention
 from .norm import add_rms_norm, rms_norm
 from .propagate import propagate_kv
 from .rope_kv import rope_cos_sin_table, rope_write_kv
@@ -16,6 +17,7 @@ from .swiglu import silu_and_mul
 
 __all__ = [
     "add_rms_norm",
+    "fused_decode_attention",
     "paged_attention",
     "paged_decode_attention",
     "propagate_kv",

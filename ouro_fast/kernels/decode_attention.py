@@ -23,6 +23,119 @@ from .rounding import round_to
 
 
 @triton.jit
+def slice_bounds(q_pos, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Context positions [start, end) of slice `split` for a query at q_pos (empty when start >= end)."""
+    kv_len = q_pos + 1
+    # Slices of whole BLOCK_N tiles: only the last tile of a row is partly masked.
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    return start, tl.minimum(start + split_len, kv_len)
+
+
+@triton.jit
+def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, stride_ks, stride_kh,
+                 stride_vs, stride_vh, new_pos, k_new, v_new, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SUBSTITUTE: tl.constexpr):  # fmt: skip
+    """Online softmax of q [GROUP_P2, D_P2] (fp32) over positions [start, end); returns (m, l, acc).
+
+    With SUBSTITUTE, the key and value at position new_pos are k_new, v_new [1, D_P2] (cache
+    dtype) instead of the cache's: the fused decode writes that slot in the same launch.
+    """
+    offs_d = tl.arange(0, D_P2)
+    d_valid = offs_d < HEAD_DIM
+    # Finite stand-in for -inf: an empty slice keeps it, and the merge weighs it exp2(-1e30 - m) = 0.
+    m_i = tl.full([GROUP_P2], -1.0e30, tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, D_P2], tl.float32)
+    # An empty slice (start >= kv_len) runs no iteration and leaves m = -1e30, l = 0.
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_valid, other=0)
+        slot = block.to(tl.int64) * PAGE + offs_n % PAGE
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        if SUBSTITUTE:  # noqa: SIM102 (without it, new_pos is None: the inner test must not be built)
+            # A uniform branch: only the one tile that holds new_pos pays for the selects.
+            if (new_pos >= n0) & (new_pos < n0 + BLOCK_N):
+                is_new = (offs_n == new_pos)[:, None]
+                k = tl.where(is_new, k_new, k)
+                v = tl.where(is_new, v_new, v)
+        # The query sees every key up to its own position: only the slice end masks.
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale_log2
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def store_normalised(o_ptr, tok, head, g_valid, stride_on, stride_oh, acc, l_i, HEAD_DIM: tl.constexpr,
+                     D_P2: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """One slice is the whole context: normalise and write the output rows of `head`."""
+    offs_d = tl.arange(0, D_P2)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        o_ptr + tok * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+        round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
+        mask=g_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
+
+
+@triton.jit
+def store_partial(acc_ptr, m_ptr, l_ptr, part, g_valid, m_i, l_i, acc, nonempty, HEAD_DIM: tl.constexpr,
+                  D_P2: tl.constexpr):  # fmt: skip
+    """A slice's partial softmax into the fp32 scratch at indices `part` [GROUP_P2]."""
+    offs_d = tl.arange(0, D_P2)
+    tl.store(m_ptr + part, m_i, mask=g_valid)
+    tl.store(l_ptr + part, l_i, mask=g_valid)
+    # An empty slice's acc is never read (the merge masks it by l > 0): skip the store.
+    if nonempty:
+        tl.store(
+            acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+            acc,
+            mask=g_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
+        )
+
+
+@triton.jit
+def merge_partials(acc_ptr, m_ptr, l_ptr, base, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    """One head's fp32 output [D_P2] from its NUM_SPLITS partials at scratch index `base` on.
+
+    Sums split by split in split order: elementwise adds only, so the result's bits depend
+    on no register layout (the merge kernel and the fused decode's merge, at different
+    num_warps, agree bit for bit). Every load is independent of the others (one round trip).
+    """
+    offs_d = tl.arange(0, D_P2)
+    d_valid = offs_d < HEAD_DIM
+    m_max = tl.load(m_ptr + base, cache_modifier=CACHE)
+    for s in tl.static_range(1, NUM_SPLITS):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + base + s, cache_modifier=CACHE))
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([D_P2], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        l_s = tl.load(l_ptr + base + s, cache_modifier=CACHE)
+        acc_s = tl.load(acc_ptr + (base + s) * HEAD_DIM + offs_d, mask=d_valid, cache_modifier=CACHE)
+        # An empty slice (l = 0) has weight 0 and its unwritten acc is selected away (a product
+        # would keep a NaN there).
+        w = tl.where(l_s > 0.0, tl.exp2(tl.load(m_ptr + base + s, cache_modifier=CACHE) - m_max), 0.0)
+        total += w * l_s
+        acc += w * tl.where(l_s > 0.0, acc_s, 0.0)
+    return acc / tl.where(total > 0.0, total, 1.0)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     o_ptr,
@@ -67,69 +180,28 @@ def _decode_split_kernel(
     tok = tl.load(tok_off_ptr + row).to(tl.int64)
     if n_q == 0:
         return
-    kv_len = q_pos + 1
-    # Slices of whole BLOCK_N tiles: only the last tile of a row is partly masked.
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, kv_len)
+    start, end = slice_bounds(q_pos, split, NUM_SPLITS, BLOCK_N)
 
     offs_g = tl.arange(0, GROUP_P2)
     g_valid = offs_g < GROUP
     head = kv_head * GROUP + offs_g
     offs_d = tl.arange(0, D_P2)
-    d_valid = offs_d < HEAD_DIM
     q = tl.load(
         q_ptr + tok * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
-        mask=g_valid[:, None] & d_valid[None, :],
+        mask=g_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
         other=0.0,
     ).to(tl.float32)
-
-    # Finite stand-in for -inf: an empty slice keeps it, and the merge weighs it exp2(-1e30 - m) = 0.
-    m_i = tl.full([GROUP_P2], -1.0e30, tl.float32)
-    l_i = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, D_P2], tl.float32)
-    # An empty slice (start >= kv_len) runs no iteration and leaves m = -1e30, l = 0.
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < end
-        block = tl.load(bt_ptr + row * stride_bt + offs_n // PAGE, mask=n_valid, other=0)
-        slot = block.to(tl.int64) * PAGE + offs_n % PAGE
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(
-            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        # The query sees every key up to its own position: only the slice end masks.
-        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale_log2
-        s = tl.where(n_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m_i = m_new
-
+    # SUBSTITUTE False: every key and value comes from the cache (no new_pos, k_new, v_new).
+    m_i, l_i, acc = attend_slice(q, k_ptr, v_ptr, bt_ptr + row * stride_bt, kv_head, start, end, scale_log2,
+                                 stride_ks, stride_kh, stride_vs, stride_vh, None, None, None, GROUP_P2,
+                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, False)  # fmt: skip
     if NUM_SPLITS == 1:
-        # One slice is the whole context: normalise and write the output, no merge launch.
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            o_ptr + tok * stride_on + head[:, None] * stride_oh + offs_d[None, :],
-            round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
-            mask=g_valid[:, None] & d_valid[None, :],
+        store_normalised(
+            o_ptr, tok, head, g_valid, stride_on, stride_oh, acc, l_i, HEAD_DIM, D_P2, INTERPRETED
         )
     else:
         part = (row * NUM_HEADS + head) * NUM_SPLITS + split
-        tl.store(m_ptr + part, m_i, mask=g_valid)
-        tl.store(l_ptr + part, l_i, mask=g_valid)
-        # An empty slice's acc is never read (the merge masks it by l > 0): skip the store.
-        if start < end:
-            tl.store(
-                acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                acc,
-                mask=g_valid[:, None] & d_valid[None, :],
-            )
+        store_partial(acc_ptr, m_ptr, l_ptr, part, g_valid, m_i, l_i, acc, start < end, HEAD_DIM, D_P2)
 
 
 @triton.jit
@@ -153,28 +225,19 @@ def _decode_merge_kernel(
     row = tl.program_id(0)
     head = tl.program_id(1)
     pdl_enter(USE_PDL)
-    base = (row * NUM_HEADS + head) * NUM_SPLITS
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, D_P2)
-    d_valid = offs_d < HEAD_DIM
     # Every load is independent of the others (one round trip); a padding row's are unused garbage.
     n_q = tl.load(len_ptr + row)
     tok = tl.load(tok_off_ptr + row).to(tl.int64)
-    m_s = tl.load(m_ptr + base + offs_s)
-    l_s = tl.load(l_ptr + base + offs_s)
-    acc_s = tl.load(acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=d_valid[None, :])
+    out = merge_partials(
+        acc_ptr, m_ptr, l_ptr, (row * NUM_HEADS + head) * NUM_SPLITS, HEAD_DIM, D_P2, NUM_SPLITS, ""
+    )
     if n_q == 0:
         return
-    used = l_s > 0.0
-    # Empty slices' acc was never written: select it away (a product would keep a NaN there).
-    acc_s = tl.where(used[:, None], acc_s, 0.0)
-    w = tl.where(used, tl.exp2(m_s - tl.max(m_s, axis=0)), 0.0)
-    total = tl.sum(w * l_s, axis=0)
-    out = tl.sum(w[:, None] * acc_s, axis=0) / tl.where(total > 0.0, total, 1.0)
+    offs_d = tl.arange(0, D_P2)
     tl.store(
         o_ptr + tok * stride_on + head * stride_oh + offs_d,
         round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
-        mask=d_valid,
+        mask=offs_d < HEAD_DIM,
     )
 
 
@@ -190,6 +253,24 @@ def decode_config(rows: int, kv_heads: int, group: int, head_dim: int, max_conte
     want = next_pow2(triton.cdiv(1024, max(1, rows * kv_heads)))
     num_splits = max(1, min(max(8, min(16, want)), next_pow2(triton.cdiv(max_context, block_n))))
     return {"NUM_SPLITS": num_splits, "BLOCK_N": block_n, "num_warps": 2}
+
+
+def launch_config(rows: int, kv_heads: int, group: int, head_dim: int, max_context: int, config) -> dict:
+    """decode_config with the keys of `config` (a dict or None) overriding it; NUM_SPLITS checked."""
+    cfg = decode_config(rows, kv_heads, group, head_dim, max_context)
+    cfg.update(config or {})
+    splits = cfg["NUM_SPLITS"]
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"NUM_SPLITS must be a power of two, got {splits}")
+    return cfg
+
+
+def partials_scratch(rows: int, heads: int, splits: int, head_dim: int, device) -> tuple[torch.Tensor, ...]:
+    """fp32 (acc [R, Hq, S, D], m [R, Hq, S], l [R, Hq, S]) in one allocation; a dummy when S is 1."""
+    parts = rows * heads * splits if splits > 1 else 0
+    scratch = torch.empty(max(1, parts * (head_dim + 2)), dtype=torch.float32, device=device)
+    d = head_dim
+    return scratch[: parts * d], scratch[parts * d : parts * (d + 1)], scratch[parts * (d + 1) :]
 
 
 def paged_decode_attention(
@@ -228,17 +309,11 @@ def paged_decode_attention(
     if r == 0 or n == 0:
         return out
     group = hq // hkv
-    cfg = decode_config(r, hkv, group, d, block_tables.shape[1] * block_size)
-    cfg.update(config or {})
+    cfg = launch_config(r, hkv, group, d, block_tables.shape[1] * block_size, config)
     splits = cfg["NUM_SPLITS"]
-    if splits < 1 or splits & (splits - 1):
-        raise ValueError(f"NUM_SPLITS must be a power of two, got {splits}")
     merge_warps = cfg.pop("merge_warps", 1 if splits * next_pow2(d) <= 2048 else 4)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    # One allocation for acc [R, Hq, S, D], m and l [R, Hq, S]; a dummy when there is no merge.
-    parts = r * hq * splits if splits > 1 else 0
-    scratch = torch.empty(max(1, parts * (d + 2)), dtype=torch.float32, device=q.device)
-    acc, m, lsum = scratch[: parts * d], scratch[parts * d : parts * (d + 1)], scratch[parts * (d + 1) :]
+    acc, m, lsum = partials_scratch(r, hq, splits, d, q.device)
     interp, pdl = interpreting(), pdl_launch(q.device)
     _decode_split_kernel[(r, hkv, splits)](
         q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off, acc, m, lsum,

@@ -1,29 +1,43 @@
 """Paged attention backend on the Triton kernels: same call as PagedTorchAttention, tensor metadata.
 
-Per model call the runner sets `batch` (a TritonBatch of device tensors); every
-layer then costs the K/V write (fused with RoPE when the backend owns RoPE) and
-the paged attention (decode-only calls: a split-context launch and a merge). No
-per-layer host work, no device-to-host syncs, and launch grids that depend only
-on tensor shapes and max_q_len, so the call can be captured in a CUDA graph at
-fixed padded shapes.
+Per model call the runner sets `batch` (a TritonBatch of device tensors). A
+decode-only call (max_q_len 1) on a backend that owns RoPE costs ONE launch per
+layer (kernels/fused_decode.py: RoPE, K/V write, split-context attention and its
+merge); otherwise a layer costs the K/V write (fused with RoPE when the backend
+owns RoPE) and the paged attention (decode-only calls: a split-context launch and
+a merge). No per-layer host work, no device-to-host syncs, and launch grids that
+depend only on tensor shapes and max_q_len, so the call can be captured in a CUDA
+graph at fixed padded shapes.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..kernels import paged_attention, paged_decode_attention, rope_cos_sin_table, rope_write_kv
+from ..kernels import (
+    fused_decode_attention,
+    paged_attention,
+    paged_decode_attention,
+    rope_cos_sin_table,
+    rope_write_kv,
+)
+
+# One launch per decode layer (OURO_FAST_FUSED_DECODE=0: the three-launch path, for A/B runs).
+FUSED_DECODE = os.environ.get("OURO_FAST_FUSED_DECODE", "1") != "0"
 
 
 @dataclass
 class TritonBatch:
     """Where each token's K/V lives for one model call, all on the device.
 
-    slot_mapping [N] int64: the slot each token's K/V is written to (-1: no write).
+    slot_mapping [N] int64: the slot each token's K/V is written to (-1: no write); in a
+    decode-only call, a row's slot of its position, and -1 for tokens of no row (the
+    fused decode kernel writes only rows' tokens and reads their K/V from registers).
     positions [N] int64: each token's position (read only when the backend applies RoPE).
     block_tables [R, MB] int32: row r's block table for ITS loop (-1 beyond its blocks).
     row_q_start, row_len, row_tok_off [R] int32: row r is tokens tok_off .. tok_off+len-1
@@ -92,11 +106,16 @@ class TritonPagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
         kc, vc = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
+        meta = (b.block_tables, b.row_q_start, b.row_len, b.row_tok_off, self.block_size)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if b.max_q_len == 1 and self.applies_rope and FUSED_DECODE:
+            # Decode-only call: one launch instead of three (each launch costs ~2-3 us of latency).
+            return fused_decode_attention(
+                q, k, v, kc, vc, b.slot_mapping, b.positions, self.cos_sin, *meta, scale
+            )
         positions = b.positions if self.applies_rope else None
         # Rotating in place is safe: q is a fresh projection output owned by this call.
         q = rope_write_kv(q, k, v, kc, vc, b.slot_mapping, positions, self.cos_sin, q_out=q)
-        meta = (b.block_tables, b.row_q_start, b.row_len, b.row_tok_off, self.block_size)
-        scale = 1.0 / math.sqrt(q.shape[-1])
         if b.max_q_len == 1:
             # Decode-only call: split the context over more programs than rows x heads.
             return paged_decode_attention(q, kc, vc, *meta, scale)

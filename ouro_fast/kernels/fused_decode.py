@@ -1,0 +1,303 @@
+"""Decode attention of a layer in ONE launch: RoPE, the K/V write, split-KV attention and the merge.
+
+The three-launch path (rope_write_kv, then paged_decode_attention's split and merge
+kernels) pays a launch for each kernel per layer and loop step. Here every program
+of the split-KV grid (rows, KV heads, NUM_SPLITS) rotates its own row's query heads
+and K in registers, exactly as rope_write_kv does; the key and value at the query's
+own position come from those registers, since the cache slot is written in the same
+launch (by the last split's program). The merge is fused as in skinny_gemm's
+FUSED_REDUCE: each program stores its partial softmax, counts its arrival on a
+per-(row, KV head) int32 counter, and the last to arrive merges the partials in
+split order and resets the counter. The arithmetic is the three-launch path's,
+operation for operation, so results and the cache are bit-identical to it (tested
+under the interpreter and on the H200).
+
+PDL: the kernel waits and releases its successor as every decode kernel does, but is
+launched WITHOUT the PDL attribute. Launched early, behind the qkv matmul, its CTAs
+went to the SMs the matmul freed first (measured on the H200: 256 CTAs on 30 SMs, up
+to 14 each), which made a layer up to twice as slow at one row; launched plainly it
+starts on an idle GPU. Measured per layer in a CUDA graph (qkv, attention, o_proj;
+bf16, 16 heads of 128, 1-16 rows, contexts 192-4096) it then saves -0.9 to +3.3 us
+against the three launches, whose latencies PDL already overlaps; the sure gain is
+one graph node and one host launch in place of three.
+
+Launch grid and scratch depend only on shapes, so calls are CUDA-graph capturable;
+the counters are allocated on the first eager call (warm-up), never during capture.
+Calls that share the counters must be ordered (one stream).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check_float, check_paged_inputs, check_same_dtype, interpreting, next_pow2
+from .decode_attention import (
+    attend_slice,
+    launch_config,
+    merge_partials,
+    partials_scratch,
+    slice_bounds,
+    store_normalised,
+    store_partial,
+)
+from .pdl import pdl_enabled, pdl_enter
+from .rounding import round_to
+
+# One counter per (row, KV head); 8192 covers 512 rows of 16 KV heads without growing.
+_MIN_COUNTERS = 8192
+
+
+@triton.jit
+def _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+             D_P2: tl.constexpr):  # fmt: skip
+    # cos and sin of each lane's split-half pair (d mod HALF), [D_P2]; rope_write_kv's clamped lookup.
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + tok), 0), num_pos - 1).to(tl.int64)
+    offs_d = tl.arange(0, D_P2)
+    pair = offs_d % HALF
+    d_valid = offs_d < HEAD_DIM
+    cos = tl.load(table_ptr + pos * stride_t + pair, mask=d_valid, other=0.0)
+    sin = tl.load(table_ptr + pos * stride_t + HALF + pair, mask=d_valid, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def _rotated(x_row_ptr, heads, h_valid, stride_h, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+             D_P2: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # Heads [H] of one token rotated, [H, D_P2] in DTYPE: every lane computes its pair with
+    # rope_write_kv's expressions (x1*cos - x2*sin, x2*cos + x1*sin in fp32) and keeps its half.
+    offs_d = tl.arange(0, D_P2)
+    mask = h_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ptrs = x_row_ptr + heads[:, None] * stride_h + (offs_d % HALF)[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    lo = x1 * cos[None, :] - x2 * sin[None, :]
+    hi = x2 * cos[None, :] + x1 * sin[None, :]
+    return round_to(tl.where((offs_d < HALF)[None, :], lo, hi), DTYPE, INTERPRETED)
+
+
+@triton.jit
+def _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_vcs, stride_vch,
+              HEAD_DIM: tl.constexpr, D_P2: tl.constexpr):  # fmt: skip
+    offs_d = tl.arange(0, D_P2)[None, :]
+    mask = offs_d < HEAD_DIM
+    slot = slot.to(tl.int64)
+    tl.store(kc_ptr + slot * stride_kcs + kv_head * stride_kch + offs_d, k_new, mask=mask)
+    tl.store(vc_ptr + slot * stride_vcs + kv_head * stride_vch + offs_d, v_new, mask=mask)
+
+
+@triton.jit
+def _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh,
+                 NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # _decode_merge_kernel for each of the GROUP heads; .cg loads read L2, never a stale L1 line.
+    offs_d = tl.arange(0, D_P2)
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        base = (row * NUM_HEADS + head) * NUM_SPLITS
+        out = merge_partials(acc_ptr, m_ptr, l_ptr, base, HEAD_DIM, D_P2, NUM_SPLITS, ".cg")
+        tl.store(
+            o_ptr + tok * stride_on + head * stride_oh + offs_d,
+            round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
+            mask=offs_d < HEAD_DIM,
+        )
+
+
+@triton.jit
+def _fused_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    pos_ptr,
+    table_ptr,
+    bt_ptr,
+    q_start_ptr,
+    len_ptr,
+    tok_off_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    cnt_ptr,
+    num_pos,
+    scale_log2,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    stride_t,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # One program: one row, one KV head with its GROUP query heads, one slice of the context.
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    pdl_enter(USE_PDL)
+    n_q = tl.load(len_ptr + row)
+    q_pos = tl.load(q_start_ptr + row)
+    tok = tl.load(tok_off_ptr + row).to(tl.int64)
+    if n_q == 0:
+        return
+    slot = tl.load(slot_ptr + tok)
+    start, end = slice_bounds(q_pos, split, NUM_SPLITS, BLOCK_N)
+    cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, D_P2)
+
+    offs_g = tl.arange(0, GROUP_P2)
+    g_valid = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    # The rotated q as rope_write_kv would store it, then read back as paged_decode_attention does.
+    q = _rotated(q_ptr + tok * stride_qn, head, g_valid, stride_qh, cos, sin, HEAD_DIM // 2, HEAD_DIM, D_P2,
+                 q_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)  # fmt: skip
+    one = tl.arange(0, 1)
+    k_new = _rotated(k_ptr + tok * stride_kn, kv_head + one, one == 0, stride_kh, cos, sin, HEAD_DIM // 2,
+                     HEAD_DIM, D_P2, kc_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
+    offs_d = tl.arange(0, D_P2)[None, :]
+    v_new = tl.load(v_ptr + tok * stride_vn + kv_head * stride_vh + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+    # slot < 0 writes nothing: the key and value at q_pos are the cache's, as in the three launches.
+    new_pos = tl.where(slot >= 0, q_pos, -1)
+    m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_ptr + row * stride_bt, kv_head, start, end, scale_log2,
+                                 stride_kcs, stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new,
+                                 GROUP_P2, HEAD_DIM, D_P2, PAGE, BLOCK_N, True)  # fmt: skip
+    # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
+    # the last split, after its loop, so that under the interpreter (programs run in grid order)
+    # every read of the launch precedes the write and the tests prove that none depends on it.
+    if (split == NUM_SPLITS - 1) & (slot >= 0):
+        _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                  HEAD_DIM, D_P2)  # fmt: skip
+    if NUM_SPLITS == 1:
+        store_normalised(
+            o_ptr, tok, head, g_valid, stride_on, stride_oh, acc, l_i, HEAD_DIM, D_P2, INTERPRETED
+        )
+    else:
+        part = (row * NUM_HEADS + head) * NUM_SPLITS + split
+        store_partial(acc_ptr, m_ptr, l_ptr, part, g_valid, m_i, l_i, acc, start < end, HEAD_DIM, D_P2)
+        # Every thread's partial is stored before the (release) arrival is counted.
+        tl.debug_barrier()
+        counter = cnt_ptr + row * NUM_KV_HEADS + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh, NUM_HEADS,
+                         GROUP, HEAD_DIM, D_P2, NUM_SPLITS, INTERPRETED)  # fmt: skip
+            # Ready for the next launch: every program of this (row, KV head) has arrived.
+            tl.atomic_xchg(counter, 0)
+
+
+def fused_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_q_start: torch.Tensor,
+    row_len: torch.Tensor,
+    row_tok_off: torch.Tensor,
+    block_size: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """rope_write_kv then paged_decode_attention in one launch, bit for bit; returns out [N, Hq, D].
+
+    q [N, Hq, D], k, v [N, Hkv, D]: UNROTATED projections (any row and head strides,
+    contiguous last dimension: column views of one qkv output work); slot_mapping,
+    positions [N] and cos_sin (rope_cos_sin_table) as for rope_write_kv; the paged
+    metadata, scale, out and config (keys of decode_config) as for
+    paged_decode_attention. Only each row's token is rotated and written: row r's
+    token row_tok_off[r] writes its K/V to slot_mapping of it (none when < 0), which
+    must be row r's slot of position row_q_start[r]; a token with a slot >= 0 must
+    belong to a row, and no row may read a slot another row writes. The engine's
+    decode calls meet all three. q itself is left unrotated, and output rows of no
+    row untouched. With NUM_SPLITS > 1 it uses the same fp32 scratch as
+    paged_decode_attention plus per-device arrival counters (allocated on the first
+    call of a shape; never during CUDA-graph capture).
+    """
+    n, hq, d, hkv, r = check_paged_inputs(
+        q, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off
+    )
+    _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n, hkv, d)
+    if out is None:
+        out = torch.empty_like(q)
+    check_float("out", out)
+    if r == 0 or n == 0:
+        return out
+    group = hq // hkv
+    cfg = launch_config(r, hkv, group, d, block_tables.shape[1] * block_size, config)
+    cfg.pop("merge_warps", None)  # no merge launch
+    splits = cfg["NUM_SPLITS"]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    acc, m, lsum = partials_scratch(r, hq, splits, d, q.device)
+    counters = _counters(q.device, r * hkv) if splits > 1 else acc
+    _fused_decode_kernel[(r, hkv, splits)](
+        q, k, v, out, k_cache, v_cache, slot_mapping, positions, cos_sin, block_tables,
+        row_q_start, row_len, row_tok_off, acc, m, lsum, counters,
+        cos_sin.shape[0], scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        cos_sin.stride(0), block_tables.stride(0),
+        NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
+        D_P2=next_pow2(d), PAGE=block_size, INTERPRETED=interpreting(), **cfg,
+        USE_PDL=pdl_enabled(q.device),  # but no launch_pdl: see the module docstring
+    )  # fmt: skip
+    return out
+
+
+def _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n: int, hkv: int, d: int) -> None:
+    check_float("k", k)
+    check_float("v", v)
+    check_same_dtype(k=k, v=v, k_cache=k_cache)
+    if k.shape != (n, hkv, d) or v.shape != k.shape:
+        raise ValueError(f"k and v must be [{n}, {hkv}, {d}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if slot_mapping.shape != (n,) or positions.shape != (n,):
+        raise ValueError(
+            f"slot_mapping and positions must be [{n}], "
+            f"got {tuple(slot_mapping.shape)} and {tuple(positions.shape)}"
+        )
+    if d % 2 or cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != d:
+        raise ValueError("RoPE needs an even head_dim and cos_sin float32 [max_positions, head_dim]")
+
+
+# Per device: the arrival counters (all zero between launches). Replaced buffers stay referenced,
+# since a captured CUDA graph may still point at them.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "fused_decode_attention: run each shape once before CUDA-graph capture "
+                "(it allocates counters)"
+            )
+        bufs.append(torch.zeros(max(_MIN_COUNTERS, n), dtype=torch.int32, device=device))
+    return bufs[-1]
