@@ -59,7 +59,7 @@ class EngineConfig:
     cpu_threads: int | None = 1  # torch threads on CPU (None: torch's default); leaves a core to HTTP
     run_ahead: bool = True  # triton runner: decode-only batches launch ahead of their exit read-back
     # Also at full depth, where it hides the host's per-step work instead of an exit read-back.
-    run_ahead_full_depth: bool = False
+    run_ahead_full_depth: bool = True
     run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
 
 

@@ -42,7 +42,7 @@ SKINNY_MAX_M = 16
 # Load each program's first weight chunk before the PDL wait (OURO_FAST_EARLY_WEIGHT=0: after, for A/B runs).
 EARLY_WEIGHT = os.environ.get("OURO_FAST_EARLY_WEIGHT", "1") != "0"
 # Fuse add + RMSNorm into the next matmul (OURO_FAST_FUSED_NORM=0: two launches, for A/B runs).
-FUSED_NORM = os.environ.get("OURO_FAST_FUSED_NORM", "1") != "0"
+FUSED_NORM = os.environ.get("OURO_FAST_FUSED_NORM", "0") != "0"
 # Columns per chunk of the fused norm's row reductions.
 _NORM_CHUNK = 128
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
@@ -74,6 +74,12 @@ TUNED_CONFIGS: dict[tuple[int, int, int], tuple] = {
     (2048, 5632, 4): (64, 256, 4, True, True, 4, 4),  # down 9.71 us, F.linear 11.11
     (2048, 5632, 8): (64, 128, 4, True, True, 4, 4),  # down 9.44 us, F.linear 11.10
     (2048, 5632, 16): (64, 128, 4, True, True, 4, 4),  # down 9.56 us, F.linear 11.23
+    # The run-ahead lanes' gated lm_head (h200-2026-11-29-s4/call1); M = 2, 4 untimed, given M = 1's.
+    (49152, 2048, 1): (128, 128, 1, True, True, 8, 4),  # lm_head 50.46 us, F.linear 48.21
+    (49152, 2048, 2): (128, 128, 1, True, True, 8, 4),
+    (49152, 2048, 4): (128, 128, 1, True, True, 8, 4),
+    (49152, 2048, 8): (128, 128, 1, True, True, 8, 4),  # lm_head 50.30 us, F.linear 49.47
+    (49152, 2048, 16): (64, 128, 1, True, True, 4, 2),  # lm_head 49.33 us, F.linear 49.84
 }
 # fmt: on
 # Split-K factors the GPU benchmark sweeps for the Ouro-1.4B shapes (N, K): qkv, o_proj, gate_up, down.

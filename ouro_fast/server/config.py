@@ -41,7 +41,7 @@ class ServerConfig:
     cuda_graphs: bool = True
     refill: bool = True  # False: batches drain to their slowest row (for comparisons)
     run_ahead: bool = True  # triton runner: decode-only batches launch before their exits are read
-    run_ahead_full_depth: bool = False  # ... also when no row can exit early (hides host work per step)
+    run_ahead_full_depth: bool = True  # ... also when no row can exit early (hides host work per step)
     run_ahead_depth: int = 1  # launches queued ahead of the one the host reads back (1..3)
     api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
     max_body_bytes: int = 8 << 20
