@@ -193,14 +193,14 @@ def test_an_engine_failure_mid_run_ends_every_request_and_the_engine_recovers(mo
     assert tokens(run(eng, [("again", PROMPTS[2], greedy(4))])) == want
 
 
-def test_full_depth_runs_ahead_only_when_asked(model_dir):
-    # Full depth never waits on exits; run_ahead_full_depth still lets the device run ahead
-    # (hiding the host's per-step work), with the same tokens as the host path.
+def test_full_depth_runs_ahead_unless_switched_off(model_dir):
+    # Full depth never waits on exits; run_ahead_full_depth (the default) still lets the device run
+    # ahead (hiding the host's per-step work), with the same tokens as the host path.
     reqs = [(str(i), p, greedy(2 + i, threshold=1.0)) for i, p in enumerate(PROMPTS[:2])]
     want = tokens(run(engine(model_dir, run_ahead=False), reqs))
-    default = engine(model_dir)
-    assert tokens(run(default, reqs)) == want and default.ahead.total_launches == 0
-    eng = engine(model_dir, run_ahead_full_depth=True)
+    off = engine(model_dir, run_ahead_full_depth=False)
+    assert tokens(run(off, reqs)) == want and off.ahead.total_launches == 0
+    eng = engine(model_dir)
     got = tokens(run(eng, reqs))
     assert got == want
     assert all(loops == [eng.num_loops - 1] * len(loops) for _, loops, _ in got.values())  # 0-based
