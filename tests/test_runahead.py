@@ -162,11 +162,11 @@ def test_sampled_lanes_draw_differently_per_lane(model_dir):
 
 
 def test_ineligible_batches_stay_host_driven(model_dir):
-    eng = engine(model_dir)
+    eng = engine(model_dir, run_ahead_full_depth=False)
     sampled = dict(max_tokens=3, temperature=1.0, exit_threshold=0.5, ignore_eos=True)
     run(eng, [("s", PROMPTS[0], SamplingParams(seed=3, **sampled))])  # seeded: the host sampler
     run(eng, [("k", PROMPTS[0], SamplingParams(top_k=5, **sampled))])  # top-k: the host sampler
-    run(eng, [("f", PROMPTS[0], greedy(3, threshold=1.0))])  # full depth: nothing to wait for
+    run(eng, [("f", PROMPTS[0], greedy(3, threshold=1.0))])  # full depth, switched off: nothing to wait for
     assert eng.ahead.total_launches == 0
     assert engine(model_dir, run_ahead=False).ahead is None
 
