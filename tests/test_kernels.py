@@ -409,8 +409,8 @@ def test_fused_loop_recipe_matches_run_loop(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_run_loop_fused_matches_run_loop(dtype):
-    # The engine's loop (fused model, norms fused into the matmuls up to 16 tokens, cuBLAS and
-    # separate norms beyond) against the reference loop, over calls of 3 to 20 tokens.
+    # The engine's loop (fused model, skinny matmuls up to 16 tokens, cuBLAS beyond) against the
+    # reference loop, over calls of 3 to 20 tokens.
     from ouro_fast.model.fast_loop import run_loop_fused  # noqa: PLC0415
 
     model = make_model(dtype)
@@ -431,4 +431,4 @@ def test_run_loop_fused_matches_run_loop(dtype):
             got = run_loop_fused(fused, h.clone(), tri_attn)
         tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
         torch.testing.assert_close(got, expect, **tol)
-    assert min(sizes) <= 16 < max(sizes)  # both the fused-norm and the fallback path ran
+    assert min(sizes) <= 16 < max(sizes)  # both the skinny and the cuBLAS matmuls ran

@@ -11,13 +11,12 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: pip install 'triton>=3.0')")
 
-from ouro_fast.kernels import add_rms_norm, silu_and_mul, skinny_gemm  # noqa: E402
+from ouro_fast.kernels import silu_and_mul, skinny_gemm  # noqa: E402
 from ouro_fast.kernels.pdl import pdl_enabled, pdl_launch  # noqa: E402
 from ouro_fast.kernels.skinny_gemm import (  # noqa: E402
     SKINNY_MAX_M,
     candidate_configs,
     default_config,
-    skinny_add_rms_linear,
     skinny_config,
     skinny_linear,
 )
@@ -249,46 +248,3 @@ def test_row_gate_errors():
     ones = torch.ones(2, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="FUSED_REDUCE"):
         skinny_linear(x, w, config=CONFIGS["dot-split3-pass"], row_gate=ones)
-
-
-def _add_rms_case(m, k, dtype, seed):
-    h, a = randn(m, k, dtype=dtype, seed=seed), randn(m, k, dtype=dtype, seed=seed + 1) * 3
-    wa, wn = randn(k, dtype=dtype, seed=seed + 2), randn(k, dtype=dtype, seed=seed + 3)
-    return h, a, wa, wn, randn(N, k, dtype=dtype, seed=seed + 4)
-
-
-@pytest.mark.parametrize("name", ["dot", "dot-split3-fused", "fma", "fma-split2"])
-@pytest.mark.parametrize("m", [1, 3, 16])
-def test_fused_add_rms_norm_matches_the_two_launches_fp32(name, m):
-    h, a, wa, wn, w = _add_rms_case(m, 256, torch.float32, seed=30)
-    h_copy = h.clone()
-    want_h, x = add_rms_norm(h, a, wa, wn, 1e-6)
-    got_h, got = skinny_add_rms_linear(h, a, wa, wn, 1e-6, w, config=CONFIGS[name])
-    assert torch.equal(h, h_copy)  # h is read, never written
-    # The row scalars are summed in another order: fp32 rounding apart.
-    torch.testing.assert_close(got_h, want_h, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(got, F.linear(x, w), atol=2e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("m", [1, 5])
-def test_fused_add_rms_norm_bf16_rounds_like_the_model(m):
-    h, a, wa, wn, w = _add_rms_case(m, 256, torch.bfloat16, seed=40)
-    want_h, x = add_rms_norm(h, a, wa, wn, 1e-6)
-    got_h, got = skinny_add_rms_linear(h, a, wa, wn, 1e-6, w)
-    # Same roundings; a last-bit difference of the fp32 row scalar may move a value by one bf16 ulp.
-    ulp = want_h.float().abs() * 2.0**-7 + 1e-30
-    diff = (got_h.float() - want_h.float()).abs()
-    assert bool((diff <= ulp).all()) and (diff > 0).float().mean() < 0.02
-    torch.testing.assert_close(got, skinny_linear(x, w), atol=2e-2, rtol=2**-6)
-
-
-def test_fused_add_rms_norm_falls_back_to_two_launches():
-    # Hidden size 96 is no multiple of the 128-wide chunk; 17 rows are beyond the skinny kernel.
-    for m, k in ((2, 96), (SKINNY_MAX_M + 1, 256)):
-        h, a, wa, wn, w = _add_rms_case(m, k, torch.float32, seed=50)
-        want_h, x = add_rms_norm(h, a, wa, wn, 1e-6)
-        got_h, got = skinny_add_rms_linear(h, a, wa, wn, 1e-6, w)
-        assert torch.equal(got_h, want_h)
-        torch.testing.assert_close(got, F.linear(x, w), atol=2e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="alias"):
-        skinny_add_rms_linear(h, a, wa, wn, 1e-6, w, h_out=h)

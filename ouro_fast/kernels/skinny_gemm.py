@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from ._util import check_float, check_same_dtype, interpreting, next_pow2
-from .norm import add_rms_norm
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 from .swiglu import silu_and_mul, silu_mul
@@ -41,10 +40,6 @@ from .swiglu import silu_and_mul, silu_mul
 SKINNY_MAX_M = 16
 # Load each program's first weight chunk before the PDL wait (OURO_FAST_EARLY_WEIGHT=0: after, for A/B runs).
 EARLY_WEIGHT = os.environ.get("OURO_FAST_EARLY_WEIGHT", "1") != "0"
-# Fuse add + RMSNorm into the next matmul (OURO_FAST_FUSED_NORM=0: two launches, for A/B runs).
-FUSED_NORM = os.environ.get("OURO_FAST_FUSED_NORM", "0") != "0"
-# Columns per chunk of the fused norm's row reductions.
-_NORM_CHUNK = 128
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
 _MIN_COUNTERS = 8192
 # The fastest config per (N, K, next_pow2(M)) of the Ouro-1.4B decode matmuls, measured in isolation on
@@ -103,89 +98,38 @@ def _load(ptrs, mask):
 
 
 @triton.jit
-def _load_x(x_ptrs, a_ptrs, wa_ptrs, wn_ptrs, ra, rh, mask, NORM: tl.constexpr, SILU_MUL_OFF: tl.constexpr,
-            DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _load_x(x_ptrs, mask, SILU_MUL_OFF: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     # The activation chunk; with SILU_MUL_OFF = F > 0 it is silu(x[:, k]) * x[:, F + k] rounded as
-    # silu_and_mul rounds it, so the fused matmul equals the two launches bit for bit. With NORM,
-    # x_ptrs point into h and the chunk is RMS(h + RMS(a, wa), wn) from the row scalars ra, rh.
+    # silu_and_mul rounds it, so the fused matmul equals the two launches bit for bit.
     x = _load(x_ptrs, mask)
     if SILU_MUL_OFF > 0:
         x = silu_mul(x.to(tl.float32), _load(x_ptrs + SILU_MUL_OFF, mask).to(tl.float32), DTYPE, INTERPRETED)
-    if NORM:
-        a = _load(a_ptrs, mask).to(tl.float32)
-        h_new = _residual(x.to(tl.float32), a, _load(wa_ptrs, mask).to(tl.float32), ra, DTYPE, INTERPRETED)
-        x = _scaled(h_new, rh, _load(wn_ptrs, mask).to(tl.float32), DTYPE, INTERPRETED).to(DTYPE)
     return x
 
 
 @triton.jit
-def _scaled(x, rstd, w, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    # kernels/norm.py's RMS from its row scalar: the normalised value rounded, then the weight product.
-    normed = round_to(x * rstd, DTYPE, INTERPRETED).to(tl.float32)
-    return round_to(w * normed, DTYPE, INTERPRETED).to(tl.float32)
-
-
-@triton.jit
-def _residual(h, a, wa, ra, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    # The sandwich residual h + RMS(a, wa), rounded to the activation dtype as add_rms_norm does.
-    return round_to(h + _scaled(a, ra, wa, DTYPE, INTERPRETED), DTYPE, INTERPRETED).to(tl.float32)
-
-
-@triton.jit
-def _add_rms_stats(h_ptr, a_ptr, wa_ptr, hout_ptr, x_rows, row_ok, write_h, eps, NORM_K: tl.constexpr,
-                   BLOCK_R: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    # Row scalars (1/rms of a, 1/rms of h_new) over whole rows of NORM_K; write_h: also store h_new.
-    # Unrolled: every chunk's load is independent, so they are all in flight together.
-    offs = x_rows.to(tl.int64)[:, None] * NORM_K + tl.arange(0, BLOCK_R)[None, :]
-    ssq = tl.zeros_like(x_rows).to(tl.float32)
-    for k0 in tl.static_range(0, NORM_K, BLOCK_R):
-        a = tl.load(a_ptr + offs + k0).to(tl.float32)
-        ssq += tl.sum(a * a, axis=1)
-    ra = tl.rsqrt(ssq / NORM_K + eps)
-    ssq = tl.zeros_like(x_rows).to(tl.float32)
-    for k0 in tl.static_range(0, NORM_K, BLOCK_R):
-        a = tl.load(a_ptr + offs + k0).to(tl.float32)
-        h = tl.load(h_ptr + offs + k0).to(tl.float32)
-        wa = tl.load(wa_ptr + k0 + tl.arange(0, BLOCK_R)).to(tl.float32)[None, :]
-        h_new = _residual(h, a, wa, ra[:, None], DTYPE, INTERPRETED)
-        ssq += tl.sum(h_new * h_new, axis=1)
-        if write_h:
-            tl.store(hout_ptr + offs + k0, h_new.to(DTYPE), mask=row_ok[:, None] & (offs >= 0))
-    return ra, tl.rsqrt(ssq / NORM_K + eps)
-
-
-@triton.jit
-def _dot_partial(w_first, w_ptrs, x_ptrs, a_ptrs, wa_ptrs, wn_ptrs, ra, rh, k_start, k_end, K,
-                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, NORM: tl.constexpr,
-                 SILU_MUL_OFF: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _dot_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DOT_UPCAST: tl.constexpr, SILU_MUL_OFF: tl.constexpr,
+                 INTERPRETED: tl.constexpr):  # fmt: skip
     # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_K, BLOCK_M] (x transposed); returns fp32 [BLOCK_M, BLOCK_N].
     # w_first: the first weight chunk, loaded by the caller (before the PDL wait).
     offs_k = tl.arange(0, BLOCK_K)
-    xt = _load_x(x_ptrs, a_ptrs, wa_ptrs, wn_ptrs, ra, rh, (k_start + offs_k < k_end)[:, None], NORM,
-                 SILU_MUL_OFF, w_first.dtype, INTERPRETED)  # fmt: skip
+    xt = _load_x(x_ptrs, (k_start + offs_k < k_end)[:, None], SILU_MUL_OFF, w_first.dtype, INTERPRETED)
     acc = _dot(w_first, xt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION, DOT_UPCAST)
     w_ptrs += BLOCK_K
     x_ptrs += BLOCK_K
-    a_ptrs += BLOCK_K
-    wa_ptrs += BLOCK_K
-    wn_ptrs += BLOCK_K
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            xt = _load_x(x_ptrs, a_ptrs, wa_ptrs, wn_ptrs, ra, rh, None, NORM, SILU_MUL_OFF, w.dtype,
-                         INTERPRETED)  # fmt: skip
+            xt = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
         else:
             k_ok = k + offs_k < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            xt = _load_x(x_ptrs, a_ptrs, wa_ptrs, wn_ptrs, ra, rh, k_ok[:, None], NORM, SILU_MUL_OFF, w.dtype,
-                         INTERPRETED)  # fmt: skip
+            xt = _load_x(x_ptrs, k_ok[:, None], SILU_MUL_OFF, w.dtype, INTERPRETED)
         acc = _dot(w, xt, acc, DOT_PRECISION, DOT_UPCAST)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        wa_ptrs += BLOCK_K
-        wn_ptrs += BLOCK_K
     return tl.trans(acc)
 
 
@@ -199,36 +143,27 @@ def _dot(w, xt, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _fma_partial(w_first, w_ptrs, x_ptrs, a_ptrs, wa_ptrs, wn_ptrs, ra, rh, k_start, k_end, K,
-                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 NORM: tl.constexpr, SILU_MUL_OFF: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _fma_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL_OFF: tl.constexpr,
+                 INTERPRETED: tl.constexpr):  # fmt: skip
     # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_M, BLOCK_K]; returns fp32 [BLOCK_M, BLOCK_N].
     # Products accumulate elementwise; the cross-thread sum over K happens once, after the loop.
     offs_k = tl.arange(0, BLOCK_K)
-    x = _load_x(x_ptrs, a_ptrs, wa_ptrs, wn_ptrs, ra, rh, (k_start + offs_k < k_end)[None, :], NORM,
-                SILU_MUL_OFF, w_first.dtype, INTERPRETED)  # fmt: skip
+    x = _load_x(x_ptrs, (k_start + offs_k < k_end)[None, :], SILU_MUL_OFF, w_first.dtype, INTERPRETED)
     acc = x.to(tl.float32)[:, None, :] * w_first.to(tl.float32)[None, :, :]
     w_ptrs += BLOCK_K
     x_ptrs += BLOCK_K
-    a_ptrs += BLOCK_K
-    wa_ptrs += BLOCK_K
-    wn_ptrs += BLOCK_K
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            x = _load_x(x_ptrs, a_ptrs, wa_ptrs, wn_ptrs, ra, rh, None, NORM, SILU_MUL_OFF, w.dtype,
-                        INTERPRETED)  # fmt: skip
+            x = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
         else:
             k_ok = k + offs_k < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            x = _load_x(x_ptrs, a_ptrs, wa_ptrs, wn_ptrs, ra, rh, k_ok[None, :], NORM, SILU_MUL_OFF, w.dtype,
-                        INTERPRETED)  # fmt: skip
+            x = _load_x(x_ptrs, k_ok[None, :], SILU_MUL_OFF, w.dtype, INTERPRETED)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        wa_ptrs += BLOCK_K
-        wn_ptrs += BLOCK_K
     return tl.sum(acc, axis=2)
 
 
@@ -251,11 +186,6 @@ def _skinny_kernel(
     ws_ptr,
     cnt_ptr,
     gate_ptr,
-    a_ptr,
-    wa_ptr,
-    wn_ptr,
-    hout_ptr,
-    eps,
     M,
     N,
     K,
@@ -277,9 +207,6 @@ def _skinny_kernel(
     USE_PDL: tl.constexpr,
     EARLY_W: tl.constexpr,
     GATED: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of every row, over K range pid_k.
     pid_n = tl.program_id(0)
@@ -306,26 +233,14 @@ def _skinny_kernel(
         pdl_enter(USE_PDL)
         w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
     x_rows = tl.minimum(offs_m, M - 1)
-    if NORM:
-        # x = RMS(h + RMS(a, wa), wn): each program derives the row scalars; program (0, 0) writes h_new.
-        write_h = (pid_n == 0) & (pid_k == 0)
-        ra, rh = _add_rms_stats(x_ptr, a_ptr, wa_ptr, hout_ptr, x_rows, offs_m < M, write_h, eps, NORM_K,
-                                BLOCK_R, o_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
-    else:
-        ra = tl.zeros([BLOCK_M], dtype=tl.float32)
-        rh = ra
     if USE_DOT:
-        offs = x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
-        vec = (k_start + offs_k)[:, None]
-        acc = _dot_partial(w_first, w_ptrs, x_ptr + offs, a_ptr + offs, wa_ptr + vec, wn_ptr + vec,
-                           ra[None, :], rh[None, :], k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
-                           DOT_PRECISION, DOT_UPCAST, NORM, SILU_MUL_OFF, INTERPRETED)  # fmt: skip
+        x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
+        acc = _dot_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
+                           DOT_PRECISION, DOT_UPCAST, SILU_MUL_OFF, INTERPRETED)  # fmt: skip
     else:
-        offs = x_rows[:, None] * stride_xm + (k_start + offs_k)[None, :]
-        vec = (k_start + offs_k)[None, :]
-        acc = _fma_partial(w_first, w_ptrs, x_ptr + offs, a_ptr + offs, wa_ptr + vec, wn_ptr + vec,
-                           ra[:, None], rh[:, None], k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
-                           NORM, SILU_MUL_OFF, INTERPRETED)  # fmt: skip
+        x_ptrs = x_ptr + x_rows[:, None] * stride_xm + (k_start + offs_k)[None, :]
+        acc = _fma_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
+                           SILU_MUL_OFF, INTERPRETED)  # fmt: skip
 
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     o_ptrs = o_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -475,49 +390,8 @@ def skinny_linear(
     return out
 
 
-def skinny_add_rms_linear(
-    h: torch.Tensor,
-    a: torch.Tensor,
-    weight_a: torch.Tensor,
-    weight_next: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    h_out: torch.Tensor | None = None,
-    config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm(h, a, weight_a, weight_next) and skinny_linear(x, w) in one launch: (h_new, x @ w.T).
-
-    h_new = h + RMS(a, weight_a) is written to h_out (a new tensor when None; never h
-    itself: every program reads h while the first writes h_new); x = RMS(h_new,
-    weight_next) is computed chunk by chunk as the matmul loads it and never stored.
-    Each program derives the two row scalars from whole rows (read from L2), in chunk
-    order, so they may differ from add_rms_norm's single reduction in the last fp32 bit;
-    the roundings are the model's. Beyond SKINNY_MAX_M rows (without `config`), for a
-    hidden size that is no multiple of the chunk, non-contiguous h/a, or with
-    OURO_FAST_FUSED_NORM=0, the two launches run instead.
-    """
-    m, k = h.shape
-    h_out = torch.empty_like(h) if h_out is None else h_out
-    if h_out.data_ptr() == h.data_ptr():
-        raise ValueError("h_out must not alias h")
-    block_r = min(_NORM_CHUNK, next_pow2(k))
-    fused = FUSED_NORM and (m <= SKINNY_MAX_M or config is not None) and k % block_r == 0 and m > 0
-    if not fused or not all(t.is_contiguous() for t in (h, a, h_out, weight_a, weight_next)):
-        h_out, x = add_rms_norm(h, a, weight_a, weight_next, eps, h_out=h_out)
-        return h_out, skinny_linear(x, w, config=config)
-    check_same_dtype(h=h, a=a, w=w, h_out=h_out, weight_a=weight_a, weight_next=weight_next)
-    if a.shape != h.shape or h_out.shape != h.shape or w.dim() != 2 or w.shape[1] != k:
-        raise ValueError(f"need h, a, h_out [M, {k}] and w [N, {k}]: {tuple(a.shape)}, {tuple(w.shape)}")
-    if weight_a.shape != (k,) or weight_next.shape != (k,):
-        raise ValueError(f"norm weights must be [{k}]")
-    out = torch.empty(m, w.shape[0], dtype=h.dtype, device=h.device)
-    cfg = config or skinny_config(w.shape[0], k, m, _num_sms(h.device))
-    _launch(h, w, out, cfg, 0, None, norm=(a, weight_a, weight_next, h_out, eps, block_r))
-    return h_out, out
-
-
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu_mul_off: int,
-            gate: torch.Tensor | None, norm: tuple | None = None) -> None:  # fmt: skip
+            gate: torch.Tensor | None) -> None:  # fmt: skip
     m, (n, k) = x.shape[0], w.shape
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot, fused = cfg["USE_DOT"], cfg["FUSED_REDUCE"]
@@ -528,16 +402,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counters = _counters(x.device, n_tiles) if split > 1 and fused else out
     interp, pdl = interpreting(), pdl_launch(x.device)
-    a, wa, wn, h_out, eps, block_r = norm or (x, x, x, x, 0.0, 16)
     _skinny_kernel[(n_tiles, split)](
-        x, w, out, ws, counters, out if gate is None else gate, a, wa, wn, h_out, eps, m, n, k, k_per_split,
+        x, w, out, ws, counters, out if gate is None else gate, m, n, k, k_per_split,
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, FUSED_REDUCE=fused,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
         INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, GATED=gate is not None,
-        NORM=norm is not None, NORM_K=k if norm else 0, BLOCK_R=block_r,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
     if split > 1 and not fused:
