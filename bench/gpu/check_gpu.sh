@@ -10,7 +10,8 @@
 # "noahead": PDL on, run-ahead decode off; "fullahead": run-ahead at full depth too; or
 # "TAG:VAR=VALUE,VAR=VALUE" for a probe with those environment variables, e.g.
 # "earlyoff:OURO_FAST_EARLY_WEIGHT=0"), PROBE_CASES (engine_probe's cases; "none" for graph times only),
-# PROBE_TRACE=1 (also a torch-profiler trace, trace.json).
+# PROBE_TRACE=1 (also a torch-profiler trace, trace.json), SKIP_SETUP=1 (wheels and build already done
+# in this shell: eval "$(bash .device-wheels/install.sh)" exported).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -19,8 +20,10 @@ exec > >(tee -a "$OUT/check_gpu.log") 2>&1
 TESTS=${TESTS:-tests/test_kernels.py tests/test_decode_attention.py tests/test_skinny_gemm.py tests/test_gpu_runner.py}
 PROBES=${PROBES:-pdl nopdl}
 echo "start $(date -u +%FT%TZ); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
-eval "$(bash .device-wheels/install.sh)" || { echo "wheel install failed"; exit 3; }
-python3 -m pip install -q --no-build-isolation --no-deps . || { echo "project build failed"; exit 3; }
+if [ -z "${SKIP_SETUP:-}" ]; then
+  eval "$(bash .device-wheels/install.sh)" || { echo "wheel install failed"; exit 3; }
+  python3 -m pip install -q --no-build-isolation --no-deps . || { echo "project build failed"; exit 3; }
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 t=$SECONDS
 rc=0

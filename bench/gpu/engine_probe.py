@@ -76,9 +76,9 @@ def main() -> None:
     print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.bt.num_blocks} KV blocks", flush=True)
     rng = np.random.default_rng(0)
     startup_s = time.perf_counter() - t
-    # PROBE_CASES: "conc:threshold,..." (default all four), or "none" for the graph step times only.
-    spec = os.environ.get("PROBE_CASES", "1:1.0,8:1.0,1:0.5,8:0.5")
-    cases = [] if spec == "none" else [(int(c), float(q)) for c, q in (x.split(":") for x in spec.split(","))]
+    # PROBE_CASES: "conc:threshold/..." (default all four), or "none" for the graph step times only.
+    spec = os.environ.get("PROBE_CASES", "1:1.0/8:1.0/1:0.5/8:0.5")
+    cases = [] if spec == "none" else [(int(c), float(q)) for c, q in (x.split(":") for x in spec.split("/"))]
     results = [run_case(eng, rng, conc, q) for conc, q in cases]
     for r in results:
         print(json.dumps(r), flush=True)
