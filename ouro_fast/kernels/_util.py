@@ -53,3 +53,31 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, row_q_start, row_len, 
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         raise ValueError("block_tables must be int32 with a contiguous last dimension")
     return n, hq, d, hkv, r
+
+
+class ArrivalCounters:
+    """Per device, int32 arrival counters for a kernel whose last program of a group reduces the group.
+
+    Every counter is zero between launches (the last program resets its own). Buffers are
+    allocated on an eager call, never while a CUDA graph is captured; a replaced buffer
+    stays referenced, since a captured graph may still point at it. Index by device for
+    the buffers (tests check they are all zero).
+    """
+
+    def __init__(self, owner: str, minimum: int = 8192):
+        self.owner, self.minimum = owner, minimum
+        self.buffers: dict[torch.device, list[torch.Tensor]] = {}
+
+    def __getitem__(self, device: torch.device) -> list[torch.Tensor]:
+        return self.buffers[device]
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor:
+        """A zeroed counter buffer of at least n entries on `device`."""
+        bufs = self.buffers.setdefault(device, [])
+        if not bufs or bufs[-1].numel() < n:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{self.owner}: run each shape once before CUDA-graph capture (it allocates counters)"
+                )
+            bufs.append(torch.zeros(max(self.minimum, n), dtype=torch.int32, device=device))
+        return bufs[-1]

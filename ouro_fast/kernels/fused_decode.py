@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, check_paged_inputs, check_same_dtype, interpreting, next_pow2
+from ._util import ArrivalCounters, check_float, check_paged_inputs, check_same_dtype, interpreting, next_pow2
 from .decode_attention import (
     attend_slice,
     launch_config,
@@ -255,7 +255,7 @@ def fused_decode_attention(
     splits = cfg["NUM_SPLITS"]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc, m, lsum = partials_scratch(r, hq, splits, d, q.device)
-    counters = _counters(q.device, r * hkv) if splits > 1 else acc
+    counters = _COUNTERS.get(q.device, r * hkv) if splits > 1 else acc
     _fused_decode_kernel[(r, hkv, splits)](
         q, k, v, out, k_cache, v_cache, slot_mapping, positions, cos_sin, block_tables,
         row_q_start, row_len, row_tok_off, acc, m, lsum, counters,
@@ -286,18 +286,5 @@ def _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n: int, hkv:
         raise ValueError("RoPE needs an even head_dim and cos_sin float32 [max_positions, head_dim]")
 
 
-# Per device: the arrival counters (all zero between launches). Replaced buffers stay referenced,
-# since a captured CUDA graph may still point at them.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "fused_decode_attention: run each shape once before CUDA-graph capture "
-                "(it allocates counters)"
-            )
-        bufs.append(torch.zeros(max(_MIN_COUNTERS, n), dtype=torch.int32, device=device))
-    return bufs[-1]
+# Per device: the arrival counters (all zero between launches).
+_COUNTERS = ArrivalCounters("fused_decode_attention", _MIN_COUNTERS)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from ._util import ArrivalCounters, check_float, check_same_dtype, interpreting, next_pow2
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 from .swiglu import silu_and_mul, silu_mul
@@ -400,7 +400,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     n_tiles = triton.cdiv(n, block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = _counters(x.device, n_tiles) if split > 1 and fused else out
+    counters = _COUNTERS.get(x.device, n_tiles) if split > 1 and fused else out
     interp, pdl = interpreting(), pdl_launch(x.device)
     _skinny_kernel[(n_tiles, split)](
         x, w, out, ws, counters, out if gate is None else gate, m, n, k, k_per_split,
@@ -419,20 +419,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
         )
 
 
-# Per device: the arrival counters (all zero between launches). Replaced buffers stay referenced,
-# since a captured CUDA graph may still point at them.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _counters(device: torch.device, n_tiles: int) -> torch.Tensor:
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n_tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "skinny_linear: run each split-K shape once before CUDA-graph capture (it allocates counters)"
-            )
-        bufs.append(torch.zeros(max(_MIN_COUNTERS, n_tiles), dtype=torch.int32, device=device))
-    return bufs[-1]
+# Per device: the arrival counters (all zero between launches).
+_COUNTERS = ArrivalCounters("skinny_linear", _MIN_COUNTERS)
 
 
 @functools.cache
