@@ -40,6 +40,10 @@ def test_config_from_env():
     assert ServerConfig.from_env({}).model_names == ("ouro-tiny-random",)
     assert ServerConfig.from_env({"OURO_FAST_MODEL": "/ckpt"}).model_names == ("/ckpt",)
     assert c.engine_options()["max_num_seqs"] == 3 and "api_key" not in c.engine_options()
+    env = {"OURO_FAST_RUN_AHEAD_FULL_DEPTH": "false", "OURO_FAST_RUN_AHEAD_DEPTH": "2"}
+    ahead = ServerConfig.from_env(env).engine_options()
+    assert (ahead["run_ahead_full_depth"], ahead["run_ahead_depth"]) == (False, 2)
+    assert c.engine_options()["run_ahead_full_depth"] is True and c.engine_options()["run_ahead_depth"] == 1
     with pytest.raises(ConfigError, match="OURO_FAST_MAX_WAITING"):
         ServerConfig.from_env({"OURO_FAST_MAX_WAITING": "many"})
     with pytest.raises(ConfigError, match="OURO_FAST_STREAM_BUFFER"):
