@@ -1,0 +1,135 @@
+"""One decode loop step on the GPU: the persistent loop against the launch-per-kernel loop.
+
+Builds the ouro-1.4b preset in memory (random bf16 weights), a paged KV cache with
+every row at context ~`--context`, and times one captured loop (CUDA graph replays,
+CUDA events) at each row count: run_loop_fused with the persistent loop off, then
+persistent_loop at each config. Checks first that the one-launch loop equals the
+phase-per-launch loop bit for bit and reports its largest difference from the
+launch-per-kernel loop. Prints one JSON object (also written to --out).
+
+    python3 bench/gpu/loop_bench.py --rows 1 8 --out $OUT/loop_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ouro_fast.kernels import persistent_loop as pl
+from ouro_fast.model import fast_loop
+from ouro_fast.model.checkpoints import PRESETS
+from ouro_fast.model.ouro import OuroForCausalLM
+from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention
+
+CONFIGS = [
+    {"num_warps": 8, "num_stages": 3, "BLOCK_K": 512},
+    {"num_warps": 4, "num_stages": 3, "BLOCK_K": 512},
+    {"num_warps": 8, "num_stages": 4, "BLOCK_K": 256},
+    {"num_warps": 8, "num_stages": 2, "BLOCK_K": 512},
+]
+
+
+def build(preset: str):
+    cfg = PRESETS[preset]
+    with torch.device("cuda"):
+        model = OuroForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.02)
+    model.fuse()
+    pl.stack_layer_weights(model)
+    return model
+
+
+def batch_of(rows: int, context: int, page: int, max_blocks: int) -> TritonBatch:
+    dev = "cuda"
+    pos = torch.arange(rows, device=dev, dtype=torch.int64) + context
+    tables = torch.arange(rows * max_blocks, device=dev, dtype=torch.int32).view(rows, max_blocks)
+    slots = tables[torch.arange(rows, device=dev), (pos // page)].to(torch.int64) * page + pos % page
+    one = torch.ones(rows, dtype=torch.int32, device=dev)
+    return TritonBatch(slots, pos, tables, pos.to(torch.int32), one, torch.arange(rows, dtype=torch.int32,
+                       device=dev), 1)  # fmt: skip
+
+
+def time_graph(fn, replays: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="ouro-1.4b")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=160)
+    ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--configs", type=int, default=len(CONFIGS), help="how many of CONFIGS to time")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    model = build(args.preset)
+    cfg, page, max_blocks = model.config, 16, 64
+    bytes_per_loop = sum(t.numel() * t.element_size() for t in (model._loop_weights.qkv, model._loop_weights.o,
+                         model._loop_weights.gate_up, model._loop_weights.down))  # fmt: skip
+    floor_ms = bytes_per_loop / 4.8e12 * 1e3
+    result = {"preset": args.preset, "context": args.context, "floor_ms_4.8TBs": round(floor_ms, 4), "rows": []}
+    for rows in args.rows:
+        shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
+        kv = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
+        attn = TritonPagedAttention(kv, page, cfg.rope_theta, max_blocks * page)
+        attn.batch = batch_of(rows, args.context, page, max_blocks)
+        h = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+        lw = model._loop_weights
+        run = lambda c=None, phased=False: pl.persistent_loop(  # noqa: E731
+            h, lw, attn.kv_cache, attn.batch, attn.cos_sin, page, cfg.num_attention_heads, cfg.rms_norm_eps,
+            phased=phased, config=c)  # fmt: skip
+        entry: dict = {"rows": rows}
+        t0 = time.perf_counter()
+        kv0 = kv.clone()
+        one = run()
+        torch.cuda.synchronize()
+        entry["first_launch_s"] = round(time.perf_counter() - t0, 2)
+        kv_one = kv.clone()
+        kv.copy_(kv0)
+        if rows == args.rows[0]:  # the phase-per-launch variants compile once per phase: check one row count
+            phased = run(phased=True)
+            entry["one_launch_equals_phased"] = bool(torch.equal(one, phased) and torch.equal(kv_one, kv))
+            kv.copy_(kv0)
+        pl.ENABLED = False
+        ref = fast_loop.run_loop_fused(model, h, attn)
+        kv_ref = kv.clone()
+        kv.copy_(kv0)
+        entry["max_abs_diff_vs_fused"] = (one.float() - ref.float()).abs().max().item()
+        entry["max_abs_ref"] = ref.float().abs().max().item()
+        entry["kv_max_abs_diff_vs_fused"] = (kv_one.float() - kv_ref.float()).abs().max().item()
+        print(json.dumps(entry), flush=True)
+        entry["fused_ms"] = round(time_graph(lambda: fast_loop.run_loop_fused(model, h, attn), args.replays), 4)
+        pl.ENABLED = True
+        entry["persistent"] = []
+        for c in CONFIGS[: args.configs]:
+            ms = time_graph(lambda c=c: run(c), args.replays)
+            entry["persistent"].append({**c, "ms": round(ms, 4), "fraction_of_floor": round(floor_ms / ms, 3)})
+            print(json.dumps(entry["persistent"][-1]), flush=True)
+        result["rows"].append(entry)
+        print(json.dumps(entry), flush=True)
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

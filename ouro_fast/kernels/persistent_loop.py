@@ -1,0 +1,494 @@
+"""One Ouro loop of a decode step (all layers, up to 16 tokens) in ONE persistent launch.
+
+Why: launched kernel by kernel, a loop is 7 launches per layer (168 for Ouro-1.4B),
+and each weight-streaming matmul (8-46 MB) pays ~4 us of ramp-up and tail around
+6-15 us of streaming: the captured step ran at ~40% of the HBM floor. Here one CTA
+per SM runs every phase of every layer, and phases are separated by a grid barrier
+(an arrival counter in global memory). Before it waits at a barrier, each CTA
+loads its first weight chunk of the next matmul (weights are never written), so
+HBM stays busy across the barrier.
+
+Phases of a layer (BLOCK_M = 16 token rows; column tiles of 16):
+  QKV   qkv = RMS(h, input_layernorm) @ Wqkv^T  (the norm is applied as x is loaded)
+  ATTN  fused_decode's program per (row, KV head, context slice): RoPE, K/V write, attention
+  O     a = attn @ Wo^T, and per column tile the sum of a^2 of each row
+  N1    h = h + RMS(a, input_layernorm_2)      (per column tile; sums of h^2 again)
+  GU    gu = RMS(h, post_attention_layernorm) @ Wgu^T
+  D     a = silu_and_mul(gu) @ Wd^T          (SiLU as loaded), sums of a^2
+  N2    h = h + RMS(a, post_attention_layernorm_2)
+then FINAL: out = RMS(h, model.norm). A norm's mean square is the fixed-order sum of its
+per-tile partials, so results are deterministic; they are not the bits of the
+add_rms_norm kernel (another summation order): tests compare with run_loop_fused within
+bf16 rounding.
+
+All CTAs must be resident at once (grid = SM count, launched plainly: never with PDL,
+which could place CTAs behind a running kernel and crowd them onto a few SMs). Under
+the CPU interpreter programs run one after another and a barrier would never open:
+there (and in tests, `phased=True`) every phase is its own launch of the same code.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import ArrivalCounters, interpreting, next_pow2
+from .decode_attention import partials_scratch
+from .fused_decode import decode_program
+from .rounding import round_to
+from .skinny_gemm import _dot
+from .swiglu import silu_mul
+
+# The persistent loop for decode calls (OURO_FAST_PERSISTENT=0: the launch-per-kernel loop, for A/B runs).
+ENABLED = os.environ.get("OURO_FAST_PERSISTENT", "1") != "0"
+MAX_ROWS = 16  # token rows per launch: one tl.dot tile
+TILE = 16  # output columns per matmul tile and per norm partial
+PH_N0, PH_QKV, PH_ATTN, PH_O, PH_N1, PH_GU, PH_D, PH_N2, PH_FINAL = range(9)
+LAYER_PHASES = (PH_QKV, PH_ATTN, PH_O, PH_N1, PH_GU, PH_D, PH_N2)  # consecutive: phase = 1 + step % 7
+TILE_C = tl.constexpr(TILE)
+
+
+@dataclass
+class LoopWeights:
+    """Every layer's weights stacked along a leading layer axis (the layers hold views into them)."""
+
+    qkv: torch.Tensor  # [L, (Hq + 2 Hkv) D, H]
+    o: torch.Tensor  # [L, H, Hq D]
+    gate_up: torch.Tensor  # [L, 2 I, H]
+    down: torch.Tensor  # [L, H, I]
+    norms: torch.Tensor  # [L, 4, H]: input, input_2, post_attention, post_attention_2
+    final_norm: torch.Tensor  # [H]
+
+
+def stack_layer_weights(model) -> LoopWeights:
+    """Stack a fused model's layer weights and point each layer at its slice (no second copy).
+
+    Cached on the model; call once after OuroForCausalLM.fuse() and before any CUDA-graph capture.
+    """
+    lw = getattr(model, "_loop_weights", None)
+    if lw is not None:
+        return lw
+    layers = model.model.layers
+    if layers[0].self_attn.qkv_weight is None:
+        raise ValueError("stack_layer_weights needs a fused model (OuroForCausalLM.fuse())")
+
+    def stack(get, set_):
+        out = torch.stack([get(layer) for layer in layers])
+        for i, layer in enumerate(layers):
+            set_(layer, out[i])
+        return out
+
+    def set_param(attr):
+        def set_(layer, view):
+            mod = layer
+            for name in attr.split(".")[:-1]:
+                mod = getattr(mod, name)
+            getattr(mod, attr.split(".")[-1]).data = view
+
+        return set_
+
+    with torch.no_grad():
+        qkv = stack(lambda ly: ly.self_attn.qkv_weight, lambda ly, v: setattr(ly.self_attn, "qkv_weight", v))
+        gu = stack(lambda ly: ly.mlp.gate_up_weight, lambda ly, v: setattr(ly.mlp, "gate_up_weight", v))
+        o = stack(lambda ly: ly.self_attn.o_proj.weight, set_param("self_attn.o_proj.weight"))
+        down = stack(lambda ly: ly.mlp.down_proj.weight, set_param("mlp.down_proj.weight"))
+        names = ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2")
+        norms = torch.stack([torch.stack([getattr(ly, n).weight for n in names]) for ly in layers])
+        for i, layer in enumerate(layers):
+            for j, n in enumerate(names):
+                getattr(layer, n).weight.data = norms[i, j]
+    lw = LoopWeights(qkv, o, gu, down, norms, model.model.norm.weight)
+    model._loop_weights = lw
+    return lw
+
+
+# ---- device helpers -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _grid_sync(bar_ptr, target):
+    # Every CTA's writes so far are visible to every CTA once all have arrived (count >= target).
+    tl.debug_barrier()
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    seen = tl.load(bar_ptr, volatile=True)
+    while seen < target:
+        seen = tl.load(bar_ptr, volatile=True)
+    tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _first_w(w_ptr, pid, N, K, BLOCK_K: tl.constexpr):
+    # The CTA's first weight chunk of a matmul phase (tile pid, chunk 0); a CTA with no tile re-reads one.
+    offs_n = (pid * TILE_C + tl.arange(0, TILE_C)) % N
+    return tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+
+
+@triton.jit
+def _rstd(ss_ptr, n_parts, H, eps, PARTS_P2: tl.constexpr):
+    # 1 / RMS of each row from its per-tile sums of squares [n_parts, 16], summed in tile order.
+    offs_p = tl.arange(0, PARTS_P2)
+    offs_m = tl.arange(0, TILE_C)
+    s = tl.load(ss_ptr + offs_p[:, None] * TILE_C + offs_m[None, :], mask=(offs_p < n_parts)[:, None], other=0.0,
+                cache_modifier=".cg")  # fmt: skip
+    return tl.rsqrt(tl.sum(s, axis=0) / H + eps)
+
+
+@triton.jit
+def _x_chunk(in_ptr, stride_in, rows, k0, K, nw_ptr, rstd, MODE: tl.constexpr, BLOCK_K: tl.constexpr,
+             DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # The matmul input chunk, transposed [BLOCK_K, 16]: MODE 0 as stored, 1 RMS-normed (rstd per row,
+    # weight nw), 2 silu(gate) * up of a [rows, 2K] input; rounded as the separate kernels round.
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = in_ptr + rows[None, :] * stride_in + offs_k[:, None]
+    if MODE == 2:
+        g = tl.load(ptrs, cache_modifier=".cg").to(tl.float32)
+        u = tl.load(ptrs + K, cache_modifier=".cg").to(tl.float32)
+        x = silu_mul(g, u, DTYPE, INTERPRETED)
+    elif MODE == 1:
+        normed = round_to(tl.load(ptrs, cache_modifier=".cg").to(tl.float32) * rstd[None, :], DTYPE, INTERPRETED)
+        wn = tl.load(nw_ptr + offs_k).to(tl.float32)
+        x = round_to(wn[:, None] * normed.to(tl.float32), DTYPE, INTERPRETED)
+    else:
+        x = tl.load(ptrs, cache_modifier=".cg")
+    return x
+
+
+@triton.jit
+def _store_tile(acc, t, out_ptr, stride_out, ss_ptr, M, N, SS_OUT: tl.constexpr, INTERPRETED: tl.constexpr):
+    # acc [16 columns, 16 rows] -> out[:, t*16 ...]; with SS_OUT the rows' sums of squares of what is stored.
+    offs_m = tl.arange(0, TILE_C)
+    offs_n = t * TILE_C + tl.arange(0, TILE_C)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    val = round_to(tl.trans(acc), out_ptr.dtype.element_ty, INTERPRETED)
+    tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], val, mask=mask)
+    if SS_OUT:
+        vf = tl.where(mask, val.to(tl.float32), 0.0)
+        tl.store(ss_ptr + t * TILE_C + offs_m, tl.sum(vf * vf, axis=1))
+
+
+@triton.jit
+def _mm_phase(pid, G, w_ptr, w_first, N, K, in_ptr, stride_in, out_ptr, stride_out, M, nw_ptr, ss_in_ptr, ss_out_ptr,
+              n_parts, H, eps, MODE: tl.constexpr, SS_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
+              PARTS_P2: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+              INTERPRETED: tl.constexpr):  # fmt: skip
+    # out [M, N] = x [M, K] @ w[N, K]^T: CTA pid owns column tiles pid, pid + G, ... and walks their
+    # K chunks in one flat loop (no pipeline drain between tiles). w_first: its first chunk.
+    rows = tl.minimum(tl.arange(0, TILE_C), M - 1)
+    if MODE == 1:
+        rstd = _rstd(ss_in_ptr, n_parts, H, eps, PARTS_P2)
+    else:
+        rstd = tl.zeros([TILE_C], tl.float32)
+    chunks = K // BLOCK_K
+    total = ((tl.cdiv(N, TILE_C) - pid + G - 1) // G) * chunks
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([TILE_C, TILE_C], tl.float32)
+    if total > 0:
+        acc = _mm_iter(acc, w_first, 0, pid, G, chunks, N, K, in_ptr, stride_in, out_ptr, stride_out, M, rows,
+                       nw_ptr, rstd, ss_out_ptr, MODE, SS_OUT, BLOCK_K, DOT_PRECISION, DOT_UPCAST,
+                       INTERPRETED)  # fmt: skip
+    # The first chunk came with w_first: the loop's loads are unconditional, so they pipeline.
+    for it in range(1, total):
+        cols = ((pid + (it // chunks) * G) * TILE_C + tl.arange(0, TILE_C)) % N
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ((it % chunks) * BLOCK_K + offs_k)[None, :])
+        acc = _mm_iter(acc, w, it, pid, G, chunks, N, K, in_ptr, stride_in, out_ptr, stride_out, M, rows, nw_ptr,
+                       rstd, ss_out_ptr, MODE, SS_OUT, BLOCK_K, DOT_PRECISION, DOT_UPCAST, INTERPRETED)  # fmt: skip
+
+
+@triton.jit
+def _mm_iter(acc, w, it, pid, G, chunks, N, K, in_ptr, stride_in, out_ptr, stride_out, M, rows, nw_ptr, rstd,
+             ss_out_ptr, MODE: tl.constexpr, SS_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # One K chunk of the CTA's flat walk; the tile's last chunk stores it and restarts the accumulator.
+    c = it % chunks
+    xt = _x_chunk(in_ptr, stride_in, rows, c * BLOCK_K, K, nw_ptr, rstd, MODE, BLOCK_K,
+                  out_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
+    acc = _dot(w, xt, acc, DOT_PRECISION, DOT_UPCAST)
+    if c == chunks - 1:
+        _store_tile(acc, pid + (it // chunks) * G, out_ptr, stride_out, ss_out_ptr, M, N, SS_OUT, INTERPRETED)
+        acc = tl.zeros([TILE_C, TILE_C], tl.float32)
+    return acc
+
+
+@triton.jit
+def _norm_phase(pid, G, h_ptr, stride_h, a_ptr, stride_a, hb_ptr, stride_hb, wa_ptr, ss_a_ptr, ss_h_ptr, M, H,
+                eps, n_parts, ADD: tl.constexpr, PARTS_P2: tl.constexpr,
+                INTERPRETED: tl.constexpr):  # fmt: skip
+    # Column tiles: hb = h (+ RMS(a, wa) with ADD), rounded as add_rms_norm rounds; sums of hb^2 per tile.
+    dtype = hb_ptr.dtype.element_ty
+    offs_m = tl.arange(0, TILE_C)
+    if ADD:
+        rstd_a = _rstd(ss_a_ptr, n_parts, H, eps, PARTS_P2)
+    for t in range(pid, n_parts, G):
+        offs_n = t * TILE_C + tl.arange(0, TILE_C)
+        mask = (offs_m < M)[:, None] & (offs_n < H)[None, :]
+        h = tl.load(h_ptr + offs_m[:, None] * stride_h + offs_n[None, :], mask=mask, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)  # fmt: skip
+        if ADD:
+            a = tl.load(a_ptr + offs_m[:, None] * stride_a + offs_n[None, :], mask=mask, other=0.0,
+                        cache_modifier=".cg").to(tl.float32)  # fmt: skip
+            wa = tl.load(wa_ptr + offs_n, mask=offs_n < H, other=0.0).to(tl.float32)
+            normed = round_to(a * rstd_a[:, None], dtype, INTERPRETED).to(tl.float32)
+            h = round_to(h + round_to(wa[None, :] * normed, dtype, INTERPRETED).to(tl.float32), dtype,
+                         INTERPRETED).to(tl.float32)  # fmt: skip
+        tl.store(hb_ptr + offs_m[:, None] * stride_hb + offs_n[None, :], h.to(dtype), mask=mask)
+        tl.store(ss_h_ptr + t * TILE_C + offs_m, tl.sum(h * h, axis=1))
+
+
+@triton.jit
+def _final_phase(pid, G, hb_ptr, stride_hb, w_ptr, ss_h_ptr, o_ptr, stride_o, M, H, eps, n_parts,
+                 PARTS_P2: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    dtype = o_ptr.dtype.element_ty
+    offs_m = tl.arange(0, TILE_C)
+    rstd = _rstd(ss_h_ptr, n_parts, H, eps, PARTS_P2)
+    for t in range(pid, n_parts, G):
+        offs_n = t * TILE_C + tl.arange(0, TILE_C)
+        mask = (offs_m < M)[:, None] & (offs_n < H)[None, :]
+        h = tl.load(hb_ptr + offs_m[:, None] * stride_hb + offs_n[None, :], mask=mask, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)  # fmt: skip
+        w = tl.load(w_ptr + offs_n, mask=offs_n < H, other=0.0).to(tl.float32)
+        normed = round_to(h * rstd[:, None], dtype, INTERPRETED).to(tl.float32)
+        tl.store(o_ptr + offs_m[:, None] * stride_o + offs_n[None, :], round_to(w[None, :] * normed, dtype,
+                 INTERPRETED), mask=mask)  # fmt: skip
+
+
+@triton.jit
+def _attn_phase(pid, G, layer, qkv_ptr, stride_qkv, attn_ptr, stride_attn, kv_ptr, stride_kv0, stride_kvl,
+                stride_kcs, stride_kch, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr,
+                acc_ptr, m_ptr, l_ptr, cnt_ptr, num_pos, scale_log2, stride_t, stride_bt, R,
+                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PAGE: tl.constexpr,
+                ATT_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    kc_ptr = kv_ptr + layer.to(tl.int64) * stride_kvl
+    vc_ptr = kc_ptr + stride_kv0
+    k_ptr = qkv_ptr + NUM_HEADS * HEAD_DIM
+    v_ptr = k_ptr + NUM_KV_HEADS * HEAD_DIM
+    per_row = NUM_KV_HEADS * NUM_SPLITS
+    for item in range(pid, R * per_row, G):
+        row = item // per_row
+        kv_head = (item % per_row) // NUM_SPLITS
+        decode_program(row, kv_head, item % NUM_SPLITS, qkv_ptr, k_ptr, v_ptr, attn_ptr, kc_ptr, vc_ptr,
+                       slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, acc_ptr, m_ptr,
+                       l_ptr, cnt_ptr, num_pos, scale_log2, stride_qkv, HEAD_DIM, stride_qkv, HEAD_DIM,
+                       stride_qkv, HEAD_DIM, stride_attn, HEAD_DIM, stride_kcs, stride_kch, stride_kcs,
+                       stride_kch, stride_t, stride_bt, NUM_HEADS, NUM_KV_HEADS, GROUP, GROUP_P2, HEAD_DIM,
+                       D_P2, PAGE, ATT_BLOCK, NUM_SPLITS, INTERPRETED, ".cg")  # fmt: skip
+
+
+@triton.jit
+def _matmul_w(ph, layer, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, s_qkv, s_o, s_gu, s_d, NQKV, H, HQD, I):
+    # (weights, N, K) of matmul phase ph (QKV, O, GU or D) of `layer`.
+    lw = layer.to(tl.int64)
+    if ph == PH_O:
+        w, n, k = wo_ptr + lw * s_o, H, HQD
+    elif ph == PH_GU:
+        w, n, k = wgu_ptr + lw * s_gu, 2 * I, H
+    elif ph == PH_D:
+        w, n, k = wd_ptr + lw * s_d, H, I
+    else:
+        w, n, k = wqkv_ptr + lw * s_qkv, NQKV, H
+    return w, n, k
+
+
+@triton.jit
+def _next_matmul(ph, layer, L):
+    # (phase, layer) of the first matmul after phase ph of `layer`: what to prefetch before the barrier.
+    nxt = tl.where(ph == PH_N0, PH_QKV, tl.where(ph <= PH_ATTN, PH_O, tl.where(ph <= PH_N1, PH_GU,
+                   tl.where(ph == PH_GU, PH_D, PH_QKV))))  # fmt: skip
+    nl = tl.where(ph >= PH_D, tl.minimum(layer + 1, L - 1), tl.where(ph == PH_N0, 0, layer))
+    return nxt, nl
+
+
+@triton.jit(do_not_specialize=["M", "R", "layer_arg"])
+def _loop_kernel(
+    h_in_ptr, out_ptr, hb_ptr, qkv_ptr, attn_ptr, a_ptr, gu_ptr, ss_h_ptr, ss_a_ptr, bar_ptr,
+    wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, norms_ptr, final_ptr,
+    kv_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr,
+    acc_ptr, m_ptr, l_ptr, cnt_ptr,
+    M, R, L, H, NQKV, HQD, I, eps, num_pos, scale_log2, layer_arg,
+    s_qkv, s_o, s_gu, s_d, stride_h_in, stride_out, stride_kv0, stride_kvl, stride_kcs, stride_kch,
+    stride_t, stride_bt,
+    PHASE: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_P2: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PAGE: tl.constexpr, ATT_BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    # PHASE < 0: the whole loop, a grid barrier between phases; else that one phase of layer_arg.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    n_parts = tl.cdiv(H, TILE_C)
+    I2 = 2 * I
+    if PHASE < 0:
+        steps = 2 + 7 * L
+        w_next = _first_w(wqkv_ptr, pid, NQKV, H, BLOCK_K)  # unused by N0; keeps one type through the loop
+    else:
+        steps = 1
+        w0, n0, k0 = _matmul_w(PHASE, layer_arg, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, s_qkv, s_o, s_gu, s_d, NQKV,
+                               H, HQD, I)  # fmt: skip
+        w_next = _first_w(w0, pid, n0, k0, BLOCK_K)
+    for s in range(steps):
+        if PHASE < 0:
+            ph = tl.where(s == 0, PH_N0, tl.where(s == steps - 1, PH_FINAL, (s - 1) % 7 + 1))
+            layer = tl.maximum(s - 1, 0) // 7
+        else:
+            ph = PHASE
+            layer = layer_arg
+        lw = layer.to(tl.int64)
+        nw = norms_ptr + lw * 4 * H
+        if ph == PH_N0:
+            _norm_phase(pid, G, h_in_ptr, stride_h_in, a_ptr, H, hb_ptr, H, nw, ss_a_ptr, ss_h_ptr, M, H, eps,
+                        n_parts, False, PARTS_P2, INTERPRETED)  # fmt: skip
+        elif ph == PH_QKV:
+            _mm_phase(pid, G, wqkv_ptr + lw * s_qkv, w_next, NQKV, H, hb_ptr, H, qkv_ptr, NQKV, M, nw, ss_h_ptr,
+                      ss_a_ptr, n_parts, H, eps, 1, False, BLOCK_K, PARTS_P2, DOT_PRECISION, DOT_UPCAST,
+                      INTERPRETED)  # fmt: skip
+        elif ph == PH_ATTN:
+            _attn_phase(pid, G, layer, qkv_ptr, NQKV, attn_ptr, HQD, kv_ptr, stride_kv0, stride_kvl, stride_kcs,
+                        stride_kch, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr,
+                        acc_ptr, m_ptr, l_ptr, cnt_ptr, num_pos, scale_log2, stride_t, stride_bt, R, NUM_HEADS,
+                        NUM_KV_HEADS, GROUP, GROUP_P2, HEAD_DIM, D_P2, PAGE, ATT_BLOCK, NUM_SPLITS,
+                        INTERPRETED)  # fmt: skip
+        elif ph == PH_O:
+            _mm_phase(pid, G, wo_ptr + lw * s_o, w_next, H, HQD, attn_ptr, HQD, a_ptr, H, M, nw, ss_h_ptr,
+                      ss_a_ptr, n_parts, H, eps, 0, True, BLOCK_K, PARTS_P2, DOT_PRECISION, DOT_UPCAST,
+                      INTERPRETED)  # fmt: skip
+        elif (ph == PH_N1) | (ph == PH_N2):
+            # N1 adds RMS(attention output, input_layernorm_2); N2 RMS(MLP output, post_attention_layernorm_2).
+            _norm_phase(pid, G, hb_ptr, H, a_ptr, H, hb_ptr, H, nw + tl.where(ph == PH_N1, 1, 3) * H, ss_a_ptr,
+                        ss_h_ptr, M, H, eps, n_parts, True, PARTS_P2, INTERPRETED)  # fmt: skip
+        elif ph == PH_GU:
+            _mm_phase(pid, G, wgu_ptr + lw * s_gu, w_next, I2, H, hb_ptr, H, gu_ptr, I2, M, nw + 2 * H, ss_h_ptr,
+                      ss_a_ptr, n_parts, H, eps, 1, False, BLOCK_K, PARTS_P2, DOT_PRECISION, DOT_UPCAST,
+                      INTERPRETED)  # fmt: skip
+        elif ph == PH_D:
+            _mm_phase(pid, G, wd_ptr + lw * s_d, w_next, H, I, gu_ptr, I2, a_ptr, H, M, nw, ss_h_ptr, ss_a_ptr,
+                      n_parts, H, eps, 2, True, BLOCK_K, PARTS_P2, DOT_PRECISION, DOT_UPCAST,
+                      INTERPRETED)  # fmt: skip
+        else:
+            _final_phase(pid, G, hb_ptr, H, final_ptr, ss_h_ptr, out_ptr, stride_out, M, H, eps, n_parts, PARTS_P2,
+                         INTERPRETED)  # fmt: skip
+        if PHASE < 0:
+            if s < steps - 1:
+                # Stream the next matmul's first chunk while waiting for the other CTAs.
+                nxt, nl = _next_matmul(ph, layer, L)
+                wp, wn, wk = _matmul_w(nxt, nl, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, s_qkv, s_o, s_gu, s_d, NQKV, H,
+                                       HQD, I)  # fmt: skip
+                w_next = _first_w(wp, pid, wn, wk, BLOCK_K)
+                _grid_sync(bar_ptr, (s + 1) * G)
+    if PHASE < 0:
+        # The last CTA out resets the barrier for the next launch: every CTA has passed its last wait.
+        tl.debug_barrier()
+        if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
+            tl.atomic_xchg(bar_ptr, 0)
+            tl.atomic_xchg(bar_ptr + 1, 0)
+
+
+# ---- host -----------------------------------------------------------------------------------------
+
+# Per device: [barrier count, CTAs out] (zero between launches), and the attention merge counters.
+_BARRIER = ArrivalCounters("persistent_loop barrier", 2)
+_ATTN_COUNTERS = ArrivalCounters("persistent_loop attention", 8192)
+
+
+def attention_splits(rows: int, kv_heads: int, max_context: int, programs: int) -> int:
+    """Context slices per (row, KV head): about one work item per CTA, at most 1,024 positions a slice."""
+    splits = 1
+    while splits < 16 and (rows * kv_heads * splits * 2 <= programs or max_context > 1024 * splits):
+        splits *= 2
+    return splits
+
+
+def block_k(*dims: int) -> int:
+    """The K chunk: the largest power of two <= 512 dividing every matmul's K (H, Hq D and I)."""
+    k = 512
+    while k > 16 and any(d % k for d in dims):
+        k //= 2
+    return k
+
+
+def loop_eligible(h: torch.Tensor, batch, applies_rope: bool) -> bool:
+    """Whether the persistent loop runs this call: decode rows only, at most 16 tokens, 16-bit floats,
+    on a CUDA device (or under the interpreter), and OURO_FAST_PERSISTENT not 0."""
+    if not ENABLED or not applies_rope or batch.max_q_len != 1 or not 0 < h.shape[0] <= MAX_ROWS:
+        return False
+    if h.dtype not in (torch.bfloat16, torch.float16) or h.shape[1] % TILE:
+        return False
+    return h.device.type == "cuda" or interpreting()
+
+
+def persistent_loop(
+    h: torch.Tensor,
+    lw: LoopWeights,
+    kv_cache: torch.Tensor,
+    batch,
+    cos_sin: torch.Tensor,
+    block_size: int,
+    num_heads: int,
+    eps: float,
+    phased: bool | None = None,
+    programs: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """run_loop_fused for a decode call in one launch: h [M <= 16, H] -> the loop's normed output [M, H].
+
+    kv_cache [2, L, slots, Hkv, D] and batch (a TritonBatch with max_q_len 1) as for
+    TritonPagedAttention, whose cos_sin table applies RoPE. phased: one launch per phase
+    (default under the interpreter); programs: the grid (default: the SM count; 3 under
+    the interpreter); config: num_warps, num_stages, BLOCK_K. Counters are allocated on
+    the first call of a device (never during CUDA-graph capture).
+    """
+    m, hidden = h.shape
+    n_layers, nqkv, _ = lw.qkv.shape
+    hqd, inter = lw.o.shape[2], lw.down.shape[2]
+    hkv, d = kv_cache.shape[3], kv_cache.shape[4]
+    r = batch.block_tables.shape[0]
+    interp = interpreting()
+    phased = interp if phased is None else phased
+    grid = programs or (3 if interp else _num_sms(h.device))
+    cfg = {"num_warps": 8, "num_stages": 3, "BLOCK_K": block_k(hidden, hqd, inter), **(config or {})}
+    splits = attention_splits(r, hkv, batch.block_tables.shape[1] * block_size, grid)
+    dev, dt = h.device, h.dtype
+    bufs = torch.empty(m * (3 * hidden + nqkv + hqd + 2 * inter), dtype=dt, device=dev)
+    out, hb, a, qkv, attn, gu = torch.split(bufs, [m * n for n in (hidden, hidden, hidden, nqkv, hqd, 2 * inter)])
+    parts = triton.cdiv(hidden, TILE)
+    ss = torch.zeros(2 * parts * TILE, dtype=torch.float32, device=dev)
+    acc, mx, lsum = partials_scratch(r, num_heads, splits, d, dev)
+    bar = _BARRIER.get(dev, 2)
+    counters = _ATTN_COUNTERS.get(dev, r * hkv) if splits > 1 else bar
+    args = [
+        h, out, hb, qkv, attn, a, gu, ss[: parts * TILE], ss[parts * TILE :], bar,
+        lw.qkv, lw.o, lw.gate_up, lw.down, lw.norms, lw.final_norm,
+        kv_cache, batch.slot_mapping, batch.positions, cos_sin, batch.block_tables, batch.row_q_start,
+        batch.row_len, batch.row_tok_off, acc, mx, lsum, counters,
+        m, r, n_layers, hidden, nqkv, hqd, inter, eps, cos_sin.shape[0], math.log2(math.e) / math.sqrt(d),
+    ]  # fmt: skip
+    strides = [
+        lw.qkv.stride(0), lw.o.stride(0), lw.gate_up.stride(0), lw.down.stride(0), h.stride(0), hidden,
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        cos_sin.stride(0), batch.block_tables.stride(0),
+    ]  # fmt: skip
+    consts = dict(
+        BLOCK_K=cfg["BLOCK_K"], PARTS_P2=next_pow2(parts), NUM_HEADS=num_heads, NUM_KV_HEADS=hkv,
+        GROUP=num_heads // hkv, GROUP_P2=next_pow2(num_heads // hkv), HEAD_DIM=d, D_P2=next_pow2(d),
+        PAGE=block_size, ATT_BLOCK=cfg.get("ATT_BLOCK", 64), NUM_SPLITS=splits,
+        DOT_PRECISION="tf32", DOT_UPCAST=interp, INTERPRETED=interp,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if not phased:
+        _loop_kernel[(grid,)](*args, 0, *strides, PHASE=-1, **consts)
+        return out.view(m, hidden)
+    for step in range(2 + 7 * n_layers):
+        phase = PH_N0 if step == 0 else PH_FINAL if step == 1 + 7 * n_layers else (step - 1) % 7 + 1
+        _loop_kernel[(grid,)](*args, max(step - 1, 0) // 7, *strides, PHASE=phase, **consts)
+    return out.view(m, hidden)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
