@@ -70,14 +70,14 @@ def test_persistent_loop_matches_launch_per_kernel_loop(case, monkeypatch):
     assert not torch.equal(kv_got, cache())  # the loop wrote its K/V
 
 
-def test_grid_size_does_not_change_the_bits(monkeypatch):
-    # Work is dealt to CTAs round-robin; each tile, norm partial and attention slice is computed the
-    # same way whichever CTA owns it, so the grid size changes no bit.
+def test_deterministic_and_any_grid_size(monkeypatch):
+    # Same inputs and grid: the same bits. Another grid deals the columns and norm partials to CTAs
+    # differently (the sums of squares are grouped per CTA): equal up to rounding.
     rows, pad = DECODE_CALLS[2]
     model = fused_model()
     sched, h = call(rows, pad, seed=11)
     outs = []
-    for programs in (1, 4) if not GPU else (1, 7, 132):
+    for programs in (4, 4, 1, 7):
         kv = cache()
         attn = TritonPagedAttention(kv, 4, CFG.rope_theta, 64)
         attn.batch = TritonBatch.from_schedule(sched, BT.tables, DEV, max_q_len=1)
@@ -85,8 +85,10 @@ def test_grid_size_does_not_change_the_bits(monkeypatch):
         out = pl.persistent_loop(h, lw, kv, attn.batch, attn.cos_sin, 4, CFG.num_attention_heads,
                                  CFG.rms_norm_eps, phased=True, programs=programs)  # fmt: skip
         outs.append((out[: len(rows)], kv))
-    for out, kv in outs[1:]:
-        assert torch.equal(out, outs[0][0]) and torch.equal(kv, outs[0][1])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for out, kv in outs[2:]:
+        torch.testing.assert_close(out, outs[0][0], atol=0.05, rtol=0.02)
+        torch.testing.assert_close(kv, outs[0][1], atol=0.05, rtol=0.02)
 
 
 def test_stacked_weights_are_the_layers_weights():
@@ -125,8 +127,12 @@ def test_only_small_16_bit_decode_calls_are_eligible(monkeypatch):
 
 
 def test_launch_shapes():
-    assert pl.block_k(2048, 2048, 5632) == 512
-    assert pl.block_k(64, 64, 96) == 32
+    # Ouro-1.4B on 132 SMs: qkv, o_proj, gate_up, down tiles of at most 32 KB of bf16.
+    assert pl.tile_shape(6144, 2048, 132) == (64, 256)
+    assert pl.tile_shape(2048, 2048, 132) == (16, 1024)
+    assert pl.tile_shape(11264, 2048, 132) == (128, 128)
+    assert pl.tile_shape(2048, 5632, 132) == (16, 512)
+    assert pl.tile_shape(96, 96, 4) == (32, 32)  # the chunk divides K
     # About one attention work item per CTA, and slices of at most 1,024 positions.
     assert pl.attention_splits(1, 16, 4096, 132) == 8
     assert pl.attention_splits(8, 16, 1024, 132) == 1

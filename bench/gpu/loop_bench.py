@@ -25,11 +25,14 @@ from ouro_fast.model.ouro import OuroForCausalLM
 from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention
 
 CONFIGS = [
-    {"num_warps": 8, "num_stages": 3, "BLOCK_K": 512},
-    {"num_warps": 4, "num_stages": 3, "BLOCK_K": 512},
-    {"num_warps": 8, "num_stages": 4, "BLOCK_K": 256},
-    {"num_warps": 8, "num_stages": 2, "BLOCK_K": 512},
+    {"num_warps": 8, "num_stages": 3, "budget": 16384},
+    {"num_warps": 4, "num_stages": 3, "budget": 16384},
+    {"num_warps": 8, "num_stages": 4, "budget": 8192},
+    {"num_warps": 8, "num_stages": 2, "budget": 32768},
 ]
+# Phases left out (bit masks of kernels/persistent_loop.py's PH_*) to split the step's time: the
+# barriers alone, the matmuls alone, the attention alone, the norms alone. Outputs are then garbage.
+SKIPS = {"barriers_only": 511, "matmuls_only": 405, "attention_only": 507, "norms_only": 110}
 
 
 def build(preset: str):
@@ -123,6 +126,9 @@ def main() -> None:
             ms = time_graph(lambda c=c: run(c), args.replays)
             entry["persistent"].append({**c, "ms": round(ms, 4), "fraction_of_floor": round(floor_ms / ms, 3)})
             print(json.dumps(entry["persistent"][-1]), flush=True)
+        if rows == args.rows[0]:
+            entry["skip_study"] = {k: round(time_graph(lambda m=m: run({"SKIP": m}), args.replays), 4)
+                                   for k, m in SKIPS.items()}  # fmt: skip
         result["rows"].append(entry)
         print(json.dumps(entry), flush=True)
     print(json.dumps(result))

@@ -49,8 +49,8 @@ from .swiglu import silu_mul
 ENABLED = os.environ.get("OURO_FAST_PERSISTENT", "1") != "0"
 MAX_ROWS = 16  # token rows per launch: one tl.dot tile
 TILE = 16  # output columns per matmul tile and per norm partial
-PH_N0, PH_QKV, PH_ATTN, PH_O, PH_N1, PH_GU, PH_D, PH_N2, PH_FINAL = range(9)
-LAYER_PHASES = (PH_QKV, PH_ATTN, PH_O, PH_N1, PH_GU, PH_D, PH_N2)  # consecutive: phase = 1 + step % 7
+# The phases, in order; a layer's seven are consecutive (step s >= 1 of a loop runs phase 1 + (s - 1) % 7).
+PH_N0, PH_QKV, PH_ATTN, PH_O, PH_N1, PH_GU, PH_D, PH_N2, PH_FINAL = (tl.constexpr(p) for p in range(9))
 TILE_C = tl.constexpr(TILE)
 
 
@@ -116,23 +116,42 @@ def _grid_sync(bar_ptr, target):
     # Every CTA's writes so far are visible to every CTA once all have arrived (count >= target).
     tl.debug_barrier()
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = tl.load(bar_ptr, volatile=True)
-    while seen < target:
-        seen = tl.load(bar_ptr, volatile=True)
-    tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    # Thread 0 alone polls (all threads polling flood the counter's L2 slice); the CTA waits at bar.sync.
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred pnz, pwait;
+        .reg .u32 rtid, rseen;
+        mov.u32 $0, 0;
+        mov.u32 rtid, %tid.x;
+        setp.ne.u32 pnz, rtid, 0;
+        @pnz bra SYNC_DONE;
+        SYNC_SPIN:
+        ld.acquire.gpu.global.u32 rseen, [$1];
+        setp.lt.s32 pwait, rseen, $2;
+        @pwait bra SYNC_SPIN;
+        SYNC_DONE:
+        }""",
+        constraints="=r,l,r",
+        args=[bar_ptr, target],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
     tl.debug_barrier()
 
 
 @triton.jit
-def _first_w(w_ptr, pid, N, K, BLOCK_K: tl.constexpr):
-    # The CTA's first weight chunk of a matmul phase (tile pid, chunk 0); a CTA with no tile re-reads one.
-    offs_n = (pid * TILE_C + tl.arange(0, TILE_C)) % N
-    return tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+def _w_rows(w_ptr, pid, G, N, K, k0, ROWS: tl.constexpr, BK: tl.constexpr):
+    # CTA pid's weight rows [pid N / G, (pid + 1) N / G) (output columns), K chunk k0: [ROWS, BK].
+    start = (pid * N) // G
+    offs_r = start + tl.arange(0, ROWS)
+    ptrs = w_ptr + offs_r.to(tl.int64)[:, None] * K + (k0 + tl.arange(0, BK))[None, :]
+    return tl.load(ptrs, mask=(offs_r < ((pid + 1) * N) // G)[:, None], other=0.0)
 
 
 @triton.jit
 def _rstd(ss_ptr, n_parts, H, eps, PARTS_P2: tl.constexpr):
-    # 1 / RMS of each row from its per-tile sums of squares [n_parts, 16], summed in tile order.
+    # 1 / RMS of each row from its partial sums of squares [n_parts, 16], summed in part order.
     offs_p = tl.arange(0, PARTS_P2)
     offs_m = tl.arange(0, TILE_C)
     s = tl.load(ss_ptr + offs_p[:, None] * TILE_C + offs_m[None, :], mask=(offs_p < n_parts)[:, None], other=0.0,
@@ -141,11 +160,12 @@ def _rstd(ss_ptr, n_parts, H, eps, PARTS_P2: tl.constexpr):
 
 
 @triton.jit
-def _x_chunk(in_ptr, stride_in, rows, k0, K, nw_ptr, rstd, MODE: tl.constexpr, BLOCK_K: tl.constexpr,
+def _x_chunk(in_ptr, stride_in, rows, k0, K, nw_ptr, rstd, MODE: tl.constexpr, BK: tl.constexpr,
              DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    # The matmul input chunk, transposed [BLOCK_K, 16]: MODE 0 as stored, 1 RMS-normed (rstd per row,
+    # The matmul input chunk, transposed [BK, 16]: MODE 0 as stored, 1 RMS-normed (rstd per row,
     # weight nw), 2 silu(gate) * up of a [rows, 2K] input; rounded as the separate kernels round.
-    offs_k = k0 + tl.arange(0, BLOCK_K)
+    # .cg: other CTAs wrote it in this launch; read L2, never a stale L1 line.
+    offs_k = k0 + tl.arange(0, BK)
     ptrs = in_ptr + rows[None, :] * stride_in + offs_k[:, None]
     if MODE == 2:
         g = tl.load(ptrs, cache_modifier=".cg").to(tl.float32)
@@ -161,96 +181,72 @@ def _x_chunk(in_ptr, stride_in, rows, k0, K, nw_ptr, rstd, MODE: tl.constexpr, B
 
 
 @triton.jit
-def _store_tile(acc, t, out_ptr, stride_out, ss_ptr, M, N, SS_OUT: tl.constexpr, INTERPRETED: tl.constexpr):
-    # acc [16 columns, 16 rows] -> out[:, t*16 ...]; with SS_OUT the rows' sums of squares of what is stored.
-    offs_m = tl.arange(0, TILE_C)
-    offs_n = t * TILE_C + tl.arange(0, TILE_C)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    val = round_to(tl.trans(acc), out_ptr.dtype.element_ty, INTERPRETED)
-    tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], val, mask=mask)
-    if SS_OUT:
-        vf = tl.where(mask, val.to(tl.float32), 0.0)
-        tl.store(ss_ptr + t * TILE_C + offs_m, tl.sum(vf * vf, axis=1))
-
-
-@triton.jit
-def _mm_phase(pid, G, w_ptr, w_first, N, K, in_ptr, stride_in, out_ptr, stride_out, M, nw_ptr, ss_in_ptr, ss_out_ptr,
-              n_parts, H, eps, MODE: tl.constexpr, SS_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
-              PARTS_P2: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+def _mm_phase(pid, G, w_ptr, w_first, N, K, in_ptr, stride_in, out_ptr, stride_out, M, nw_ptr, ss_in_ptr, n_in,
+              ss_out_ptr, H, eps, MODE: tl.constexpr, SS_OUT: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+              IN_P2: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
               INTERPRETED: tl.constexpr):  # fmt: skip
-    # out [M, N] = x [M, K] @ w[N, K]^T: CTA pid owns column tiles pid, pid + G, ... and walks their
-    # K chunks in one flat loop (no pipeline drain between tiles). w_first: its first chunk.
+    # out [M, N] = x [M, K] @ w[N, K]^T. CTA pid owns the contiguous output columns
+    # [pid N / G, (pid + 1) N / G) (balanced to one column) and walks K once: one [ROWS, BK] weight tile
+    # per step, pipelined. w_first: its chunk 0, loaded before the barrier. With SS_OUT it also stores
+    # its columns' sum of squares per row (partial `pid` of the next norm).
+    dtype = out_ptr.dtype.element_ty
     rows = tl.minimum(tl.arange(0, TILE_C), M - 1)
     if MODE == 1:
-        rstd = _rstd(ss_in_ptr, n_parts, H, eps, PARTS_P2)
+        rstd = _rstd(ss_in_ptr, n_in, H, eps, IN_P2)
     else:
         rstd = tl.zeros([TILE_C], tl.float32)
-    chunks = K // BLOCK_K
-    total = ((tl.cdiv(N, TILE_C) - pid + G - 1) // G) * chunks
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([TILE_C, TILE_C], tl.float32)
-    if total > 0:
-        acc = _mm_iter(acc, w_first, 0, pid, G, chunks, N, K, in_ptr, stride_in, out_ptr, stride_out, M, rows,
-                       nw_ptr, rstd, ss_out_ptr, MODE, SS_OUT, BLOCK_K, DOT_PRECISION, DOT_UPCAST,
-                       INTERPRETED)  # fmt: skip
-    # The first chunk came with w_first: the loop's loads are unconditional, so they pipeline.
-    for it in range(1, total):
-        cols = ((pid + (it // chunks) * G) * TILE_C + tl.arange(0, TILE_C)) % N
-        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ((it % chunks) * BLOCK_K + offs_k)[None, :])
-        acc = _mm_iter(acc, w, it, pid, G, chunks, N, K, in_ptr, stride_in, out_ptr, stride_out, M, rows, nw_ptr,
-                       rstd, ss_out_ptr, MODE, SS_OUT, BLOCK_K, DOT_PRECISION, DOT_UPCAST, INTERPRETED)  # fmt: skip
+    xt = _x_chunk(in_ptr, stride_in, rows, 0, K, nw_ptr, rstd, MODE, BK, dtype, INTERPRETED)
+    acc = _dot(w_first, xt, tl.zeros([ROWS, TILE_C], tl.float32), DOT_PRECISION, DOT_UPCAST)
+    for k0 in range(BK, K, BK):
+        w = _w_rows(w_ptr, pid, G, N, K, k0, ROWS, BK)
+        xt = _x_chunk(in_ptr, stride_in, rows, k0, K, nw_ptr, rstd, MODE, BK, dtype, INTERPRETED)
+        acc = _dot(w, xt, acc, DOT_PRECISION, DOT_UPCAST)
+    offs_r = (pid * N) // G + tl.arange(0, ROWS)
+    offs_m = tl.arange(0, TILE_C)
+    mask = (offs_m[:, None] < M) & (offs_r < ((pid + 1) * N) // G)[None, :]
+    val = round_to(tl.trans(acc), dtype, INTERPRETED)
+    tl.store(out_ptr + offs_m[:, None] * stride_out + offs_r[None, :], val, mask=mask)
+    if SS_OUT:
+        vf = tl.where(mask, val.to(tl.float32), 0.0)
+        tl.store(ss_out_ptr + pid * TILE_C + offs_m, tl.sum(vf * vf, axis=1))
 
 
 @triton.jit
-def _mm_iter(acc, w, it, pid, G, chunks, N, K, in_ptr, stride_in, out_ptr, stride_out, M, rows, nw_ptr, rstd,
-             ss_out_ptr, MODE: tl.constexpr, SS_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    # One K chunk of the CTA's flat walk; the tile's last chunk stores it and restarts the accumulator.
-    c = it % chunks
-    xt = _x_chunk(in_ptr, stride_in, rows, c * BLOCK_K, K, nw_ptr, rstd, MODE, BLOCK_K,
-                  out_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
-    acc = _dot(w, xt, acc, DOT_PRECISION, DOT_UPCAST)
-    if c == chunks - 1:
-        _store_tile(acc, pid + (it // chunks) * G, out_ptr, stride_out, ss_out_ptr, M, N, SS_OUT, INTERPRETED)
-        acc = tl.zeros([TILE_C, TILE_C], tl.float32)
-    return acc
-
-
-@triton.jit
-def _norm_phase(pid, G, h_ptr, stride_h, a_ptr, stride_a, hb_ptr, stride_hb, wa_ptr, ss_a_ptr, ss_h_ptr, M, H,
-                eps, n_parts, ADD: tl.constexpr, PARTS_P2: tl.constexpr,
-                INTERPRETED: tl.constexpr):  # fmt: skip
-    # Column tiles: hb = h (+ RMS(a, wa) with ADD), rounded as add_rms_norm rounds; sums of hb^2 per tile.
+def _norm_phase(pid, G, h_ptr, stride_h, a_ptr, hb_ptr, wa_ptr, ss_a_ptr, n_a, ss_h_ptr, M, H, eps,
+                ADD: tl.constexpr, A_P2: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # Column tiles of 16: hb = h (+ RMS(a, wa) with ADD), rounded as add_rms_norm rounds, and each
+    # tile's sums of hb^2 per row (partials of the next norm). a and hb are [M, H] buffers.
     dtype = hb_ptr.dtype.element_ty
     offs_m = tl.arange(0, TILE_C)
     if ADD:
-        rstd_a = _rstd(ss_a_ptr, n_parts, H, eps, PARTS_P2)
-    for t in range(pid, n_parts, G):
+        rstd_a = _rstd(ss_a_ptr, n_a, H, eps, A_P2)
+    for t in range(pid, tl.cdiv(H, TILE_C), G):
         offs_n = t * TILE_C + tl.arange(0, TILE_C)
         mask = (offs_m < M)[:, None] & (offs_n < H)[None, :]
         h = tl.load(h_ptr + offs_m[:, None] * stride_h + offs_n[None, :], mask=mask, other=0.0,
                     cache_modifier=".cg").to(tl.float32)  # fmt: skip
         if ADD:
-            a = tl.load(a_ptr + offs_m[:, None] * stride_a + offs_n[None, :], mask=mask, other=0.0,
+            a = tl.load(a_ptr + offs_m[:, None] * H + offs_n[None, :], mask=mask, other=0.0,
                         cache_modifier=".cg").to(tl.float32)  # fmt: skip
             wa = tl.load(wa_ptr + offs_n, mask=offs_n < H, other=0.0).to(tl.float32)
             normed = round_to(a * rstd_a[:, None], dtype, INTERPRETED).to(tl.float32)
             h = round_to(h + round_to(wa[None, :] * normed, dtype, INTERPRETED).to(tl.float32), dtype,
                          INTERPRETED).to(tl.float32)  # fmt: skip
-        tl.store(hb_ptr + offs_m[:, None] * stride_hb + offs_n[None, :], h.to(dtype), mask=mask)
+        tl.store(hb_ptr + offs_m[:, None] * H + offs_n[None, :], h.to(dtype), mask=mask)
         tl.store(ss_h_ptr + t * TILE_C + offs_m, tl.sum(h * h, axis=1))
 
 
 @triton.jit
-def _final_phase(pid, G, hb_ptr, stride_hb, w_ptr, ss_h_ptr, o_ptr, stride_o, M, H, eps, n_parts,
-                 PARTS_P2: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _final_phase(pid, G, hb_ptr, w_ptr, ss_h_ptr, o_ptr, stride_o, M, H, eps, H_P2: tl.constexpr,
+                 INTERPRETED: tl.constexpr):  # fmt: skip
     dtype = o_ptr.dtype.element_ty
     offs_m = tl.arange(0, TILE_C)
-    rstd = _rstd(ss_h_ptr, n_parts, H, eps, PARTS_P2)
-    for t in range(pid, n_parts, G):
+    n_tiles = tl.cdiv(H, TILE_C)
+    rstd = _rstd(ss_h_ptr, n_tiles, H, eps, H_P2)
+    for t in range(pid, n_tiles, G):
         offs_n = t * TILE_C + tl.arange(0, TILE_C)
         mask = (offs_m < M)[:, None] & (offs_n < H)[None, :]
-        h = tl.load(hb_ptr + offs_m[:, None] * stride_hb + offs_n[None, :], mask=mask, other=0.0,
+        h = tl.load(hb_ptr + offs_m[:, None] * H + offs_n[None, :], mask=mask, other=0.0,
                     cache_modifier=".cg").to(tl.float32)  # fmt: skip
         w = tl.load(w_ptr + offs_n, mask=offs_n < H, other=0.0).to(tl.float32)
         normed = round_to(h * rstd[:, None], dtype, INTERPRETED).to(tl.float32)
@@ -265,6 +261,7 @@ def _attn_phase(pid, G, layer, qkv_ptr, stride_qkv, attn_ptr, stride_attn, kv_pt
                 NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                 GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PAGE: tl.constexpr,
                 ATT_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # Work items (row, KV head, context slice), dealt round-robin: fused_decode's program for each.
     kc_ptr = kv_ptr + layer.to(tl.int64) * stride_kvl
     vc_ptr = kc_ptr + stride_kv0
     k_ptr = qkv_ptr + NUM_HEADS * HEAD_DIM
@@ -282,27 +279,9 @@ def _attn_phase(pid, G, layer, qkv_ptr, stride_qkv, attn_ptr, stride_attn, kv_pt
 
 
 @triton.jit
-def _matmul_w(ph, layer, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, s_qkv, s_o, s_gu, s_d, NQKV, H, HQD, I):
-    # (weights, N, K) of matmul phase ph (QKV, O, GU or D) of `layer`.
-    lw = layer.to(tl.int64)
-    if ph == PH_O:
-        w, n, k = wo_ptr + lw * s_o, H, HQD
-    elif ph == PH_GU:
-        w, n, k = wgu_ptr + lw * s_gu, 2 * I, H
-    elif ph == PH_D:
-        w, n, k = wd_ptr + lw * s_d, H, I
-    else:
-        w, n, k = wqkv_ptr + lw * s_qkv, NQKV, H
-    return w, n, k
-
-
-@triton.jit
-def _next_matmul(ph, layer, L):
-    # (phase, layer) of the first matmul after phase ph of `layer`: what to prefetch before the barrier.
-    nxt = tl.where(ph == PH_N0, PH_QKV, tl.where(ph <= PH_ATTN, PH_O, tl.where(ph <= PH_N1, PH_GU,
-                   tl.where(ph == PH_GU, PH_D, PH_QKV))))  # fmt: skip
-    nl = tl.where(ph >= PH_D, tl.minimum(layer + 1, L - 1), tl.where(ph == PH_N0, 0, layer))
-    return nxt, nl
+def _on(SKIP: tl.constexpr, PH: tl.constexpr):
+    # Whether phase PH runs (SKIP: a bit mask of phases to leave out, for benchmarks only).
+    return (SKIP >> PH) % 2 == 0
 
 
 @triton.jit(do_not_specialize=["M", "R", "layer_arg"])
@@ -314,79 +293,113 @@ def _loop_kernel(
     M, R, L, H, NQKV, HQD, I, eps, num_pos, scale_log2, layer_arg,
     s_qkv, s_o, s_gu, s_d, stride_h_in, stride_out, stride_kv0, stride_kvl, stride_kcs, stride_kch,
     stride_t, stride_bt,
-    PHASE: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_P2: tl.constexpr,
+    PHASE: tl.constexpr, SKIP: tl.constexpr, RQ: tl.constexpr, KQ: tl.constexpr, RO: tl.constexpr,
+    KO: tl.constexpr, RG: tl.constexpr, KG: tl.constexpr, RD: tl.constexpr, KD: tl.constexpr,
+    H_P2: tl.constexpr, G_P2: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PAGE: tl.constexpr, ATT_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     # PHASE < 0: the whole loop, a grid barrier between phases; else that one phase of layer_arg.
+    # R{Q,O,G,D} / K{Q,O,G,D}: each matmul's weight tile (rows per CTA, padded; K chunk).
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    n_parts = tl.cdiv(H, TILE_C)
+    n_h = tl.cdiv(H, TILE_C)
     I2 = 2 * I
     if PHASE < 0:
-        steps = 2 + 7 * L
-        w_next = _first_w(wqkv_ptr, pid, NQKV, H, BLOCK_K)  # unused by N0; keeps one type through the loop
-    else:
-        steps = 1
-        w0, n0, k0 = _matmul_w(PHASE, layer_arg, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, s_qkv, s_o, s_gu, s_d, NQKV,
-                               H, HQD, I)  # fmt: skip
-        w_next = _first_w(w0, pid, n0, k0, BLOCK_K)
-    for s in range(steps):
-        if PHASE < 0:
-            ph = tl.where(s == 0, PH_N0, tl.where(s == steps - 1, PH_FINAL, (s - 1) % 7 + 1))
-            layer = tl.maximum(s - 1, 0) // 7
-        else:
-            ph = PHASE
-            layer = layer_arg
-        lw = layer.to(tl.int64)
-        nw = norms_ptr + lw * 4 * H
-        if ph == PH_N0:
-            _norm_phase(pid, G, h_in_ptr, stride_h_in, a_ptr, H, hb_ptr, H, nw, ss_a_ptr, ss_h_ptr, M, H, eps,
-                        n_parts, False, PARTS_P2, INTERPRETED)  # fmt: skip
-        elif ph == PH_QKV:
-            _mm_phase(pid, G, wqkv_ptr + lw * s_qkv, w_next, NQKV, H, hb_ptr, H, qkv_ptr, NQKV, M, nw, ss_h_ptr,
-                      ss_a_ptr, n_parts, H, eps, 1, False, BLOCK_K, PARTS_P2, DOT_PRECISION, DOT_UPCAST,
-                      INTERPRETED)  # fmt: skip
-        elif ph == PH_ATTN:
-            _attn_phase(pid, G, layer, qkv_ptr, NQKV, attn_ptr, HQD, kv_ptr, stride_kv0, stride_kvl, stride_kcs,
-                        stride_kch, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr,
-                        acc_ptr, m_ptr, l_ptr, cnt_ptr, num_pos, scale_log2, stride_t, stride_bt, R, NUM_HEADS,
-                        NUM_KV_HEADS, GROUP, GROUP_P2, HEAD_DIM, D_P2, PAGE, ATT_BLOCK, NUM_SPLITS,
-                        INTERPRETED)  # fmt: skip
-        elif ph == PH_O:
-            _mm_phase(pid, G, wo_ptr + lw * s_o, w_next, H, HQD, attn_ptr, HQD, a_ptr, H, M, nw, ss_h_ptr,
-                      ss_a_ptr, n_parts, H, eps, 0, True, BLOCK_K, PARTS_P2, DOT_PRECISION, DOT_UPCAST,
-                      INTERPRETED)  # fmt: skip
-        elif (ph == PH_N1) | (ph == PH_N2):
-            # N1 adds RMS(attention output, input_layernorm_2); N2 RMS(MLP output, post_attention_layernorm_2).
-            _norm_phase(pid, G, hb_ptr, H, a_ptr, H, hb_ptr, H, nw + tl.where(ph == PH_N1, 1, 3) * H, ss_a_ptr,
-                        ss_h_ptr, M, H, eps, n_parts, True, PARTS_P2, INTERPRETED)  # fmt: skip
-        elif ph == PH_GU:
-            _mm_phase(pid, G, wgu_ptr + lw * s_gu, w_next, I2, H, hb_ptr, H, gu_ptr, I2, M, nw + 2 * H, ss_h_ptr,
-                      ss_a_ptr, n_parts, H, eps, 1, False, BLOCK_K, PARTS_P2, DOT_PRECISION, DOT_UPCAST,
-                      INTERPRETED)  # fmt: skip
-        elif ph == PH_D:
-            _mm_phase(pid, G, wd_ptr + lw * s_d, w_next, H, I, gu_ptr, I2, a_ptr, H, M, nw, ss_h_ptr, ss_a_ptr,
-                      n_parts, H, eps, 2, True, BLOCK_K, PARTS_P2, DOT_PRECISION, DOT_UPCAST,
-                      INTERPRETED)  # fmt: skip
-        else:
-            _final_phase(pid, G, hb_ptr, H, final_ptr, ss_h_ptr, out_ptr, stride_out, M, H, eps, n_parts, PARTS_P2,
-                         INTERPRETED)  # fmt: skip
-        if PHASE < 0:
-            if s < steps - 1:
-                # Stream the next matmul's first chunk while waiting for the other CTAs.
-                nxt, nl = _next_matmul(ph, layer, L)
-                wp, wn, wk = _matmul_w(nxt, nl, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, s_qkv, s_o, s_gu, s_d, NQKV, H,
-                                       HQD, I)  # fmt: skip
-                w_next = _first_w(wp, pid, wn, wk, BLOCK_K)
-                _grid_sync(bar_ptr, (s + 1) * G)
-    if PHASE < 0:
+        if _on(SKIP, PH_N0):
+            _norm_phase(pid, G, h_in_ptr, stride_h_in, a_ptr, hb_ptr, norms_ptr, ss_a_ptr, G, ss_h_ptr, M, H, eps,
+                        False, G_P2, INTERPRETED)  # fmt: skip
+        wq = _w_rows(wqkv_ptr, pid, G, NQKV, H, 0, RQ, KQ)
+        _grid_sync(bar_ptr, G)
+        for layer in range(L):
+            lw = layer.to(tl.int64)
+            nw = norms_ptr + lw * 4 * H
+            sync = (1 + 7 * layer) * G
+            if _on(SKIP, PH_QKV):
+                _mm_phase(pid, G, wqkv_ptr + lw * s_qkv, wq, NQKV, H, hb_ptr, H, qkv_ptr, NQKV, M, nw, ss_h_ptr,
+                          n_h, ss_a_ptr, H, eps, 1, False, RQ, KQ, H_P2, DOT_PRECISION, DOT_UPCAST,
+                          INTERPRETED)  # fmt: skip
+            # Each matmul's first weight tile streams in while the CTA waits at the barrier(s) before it.
+            wo = _w_rows(wo_ptr + lw * s_o, pid, G, H, HQD, 0, RO, KO)
+            _grid_sync(bar_ptr, sync + G)
+            if _on(SKIP, PH_ATTN):
+                _attn_phase(pid, G, layer, qkv_ptr, NQKV, attn_ptr, HQD, kv_ptr, stride_kv0, stride_kvl,
+                            stride_kcs, stride_kch, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
+                            tok_off_ptr, acc_ptr, m_ptr, l_ptr, cnt_ptr, num_pos, scale_log2, stride_t, stride_bt,
+                            R, NUM_HEADS, NUM_KV_HEADS, GROUP, GROUP_P2, HEAD_DIM, D_P2, PAGE, ATT_BLOCK,
+                            NUM_SPLITS, INTERPRETED)  # fmt: skip
+            _grid_sync(bar_ptr, sync + 2 * G)
+            if _on(SKIP, PH_O):
+                _mm_phase(pid, G, wo_ptr + lw * s_o, wo, H, HQD, attn_ptr, HQD, a_ptr, H, M, nw, ss_h_ptr, n_h,
+                          ss_a_ptr, H, eps, 0, True, RO, KO, H_P2, DOT_PRECISION, DOT_UPCAST,
+                          INTERPRETED)  # fmt: skip
+            wg = _w_rows(wgu_ptr + lw * s_gu, pid, G, I2, H, 0, RG, KG)
+            _grid_sync(bar_ptr, sync + 3 * G)
+            if _on(SKIP, PH_N1):
+                _norm_phase(pid, G, hb_ptr, H, a_ptr, hb_ptr, nw + H, ss_a_ptr, G, ss_h_ptr, M, H, eps, True,
+                            G_P2, INTERPRETED)  # fmt: skip
+            _grid_sync(bar_ptr, sync + 4 * G)
+            if _on(SKIP, PH_GU):
+                _mm_phase(pid, G, wgu_ptr + lw * s_gu, wg, I2, H, hb_ptr, H, gu_ptr, I2, M, nw + 2 * H, ss_h_ptr,
+                          n_h, ss_a_ptr, H, eps, 1, False, RG, KG, H_P2, DOT_PRECISION, DOT_UPCAST,
+                          INTERPRETED)  # fmt: skip
+            wd = _w_rows(wd_ptr + lw * s_d, pid, G, H, I, 0, RD, KD)
+            _grid_sync(bar_ptr, sync + 5 * G)
+            if _on(SKIP, PH_D):
+                _mm_phase(pid, G, wd_ptr + lw * s_d, wd, H, I, gu_ptr, I2, a_ptr, H, M, nw, ss_h_ptr, n_h,
+                          ss_a_ptr, H, eps, 2, True, RD, KD, H_P2, DOT_PRECISION, DOT_UPCAST,
+                          INTERPRETED)  # fmt: skip
+            wq = _w_rows(wqkv_ptr + tl.minimum(lw + 1, L - 1) * s_qkv, pid, G, NQKV, H, 0, RQ, KQ)
+            _grid_sync(bar_ptr, sync + 6 * G)
+            if _on(SKIP, PH_N2):
+                _norm_phase(pid, G, hb_ptr, H, a_ptr, hb_ptr, nw + 3 * H, ss_a_ptr, G, ss_h_ptr, M, H, eps, True,
+                            G_P2, INTERPRETED)  # fmt: skip
+            _grid_sync(bar_ptr, sync + 7 * G)
+        if _on(SKIP, PH_FINAL):
+            _final_phase(pid, G, hb_ptr, final_ptr, ss_h_ptr, out_ptr, stride_out, M, H, eps, H_P2, INTERPRETED)
         # The last CTA out resets the barrier for the next launch: every CTA has passed its last wait.
         tl.debug_barrier()
         if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
             tl.atomic_xchg(bar_ptr, 0)
             tl.atomic_xchg(bar_ptr + 1, 0)
+    else:
+        # One phase per launch (the interpreter, tests): the same phase code, launches for barriers.
+        lw = layer_arg.to(tl.int64)
+        nw = norms_ptr + lw * 4 * H
+        if PHASE == PH_N0:
+            _norm_phase(pid, G, h_in_ptr, stride_h_in, a_ptr, hb_ptr, norms_ptr, ss_a_ptr, G, ss_h_ptr, M, H, eps,
+                        False, G_P2, INTERPRETED)  # fmt: skip
+        elif PHASE == PH_QKV:
+            _mm_phase(pid, G, wqkv_ptr + lw * s_qkv, _w_rows(wqkv_ptr + lw * s_qkv, pid, G, NQKV, H, 0, RQ, KQ),
+                      NQKV, H, hb_ptr, H, qkv_ptr, NQKV, M, nw, ss_h_ptr, n_h, ss_a_ptr, H, eps, 1, False, RQ, KQ,
+                      H_P2, DOT_PRECISION, DOT_UPCAST, INTERPRETED)  # fmt: skip
+        elif PHASE == PH_ATTN:
+            _attn_phase(pid, G, layer_arg, qkv_ptr, NQKV, attn_ptr, HQD, kv_ptr, stride_kv0, stride_kvl,
+                        stride_kcs, stride_kch, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
+                        tok_off_ptr, acc_ptr, m_ptr, l_ptr, cnt_ptr, num_pos, scale_log2, stride_t, stride_bt, R,
+                        NUM_HEADS, NUM_KV_HEADS, GROUP, GROUP_P2, HEAD_DIM, D_P2, PAGE, ATT_BLOCK, NUM_SPLITS,
+                        INTERPRETED)  # fmt: skip
+        elif PHASE == PH_O:
+            _mm_phase(pid, G, wo_ptr + lw * s_o, _w_rows(wo_ptr + lw * s_o, pid, G, H, HQD, 0, RO, KO), H, HQD,
+                      attn_ptr, HQD, a_ptr, H, M, nw, ss_h_ptr, n_h, ss_a_ptr, H, eps, 0, True, RO, KO, H_P2,
+                      DOT_PRECISION, DOT_UPCAST, INTERPRETED)  # fmt: skip
+        elif PHASE == PH_N1:
+            _norm_phase(pid, G, hb_ptr, H, a_ptr, hb_ptr, nw + H, ss_a_ptr, G, ss_h_ptr, M, H, eps, True, G_P2,
+                        INTERPRETED)  # fmt: skip
+        elif PHASE == PH_GU:
+            _mm_phase(pid, G, wgu_ptr + lw * s_gu, _w_rows(wgu_ptr + lw * s_gu, pid, G, I2, H, 0, RG, KG), I2, H,
+                      hb_ptr, H, gu_ptr, I2, M, nw + 2 * H, ss_h_ptr, n_h, ss_a_ptr, H, eps, 1, False, RG, KG,
+                      H_P2, DOT_PRECISION, DOT_UPCAST, INTERPRETED)  # fmt: skip
+        elif PHASE == PH_D:
+            _mm_phase(pid, G, wd_ptr + lw * s_d, _w_rows(wd_ptr + lw * s_d, pid, G, H, I, 0, RD, KD), H, I,
+                      gu_ptr, I2, a_ptr, H, M, nw, ss_h_ptr, n_h, ss_a_ptr, H, eps, 2, True, RD, KD, H_P2,
+                      DOT_PRECISION, DOT_UPCAST, INTERPRETED)  # fmt: skip
+        elif PHASE == PH_N2:
+            _norm_phase(pid, G, hb_ptr, H, a_ptr, hb_ptr, nw + 3 * H, ss_a_ptr, G, ss_h_ptr, M, H, eps, True, G_P2,
+                        INTERPRETED)  # fmt: skip
+        else:
+            _final_phase(pid, G, hb_ptr, final_ptr, ss_h_ptr, out_ptr, stride_out, M, H, eps, H_P2, INTERPRETED)
 
 
 # ---- host -----------------------------------------------------------------------------------------
@@ -404,12 +417,15 @@ def attention_splits(rows: int, kv_heads: int, max_context: int, programs: int) 
     return splits
 
 
-def block_k(*dims: int) -> int:
-    """The K chunk: the largest power of two <= 512 dividing every matmul's K (H, Hq D and I)."""
-    k = 512
-    while k > 16 and any(d % k for d in dims):
-        k //= 2
-    return k
+def tile_shape(n: int, k: int, programs: int, budget: int = 16384) -> tuple[int, int]:
+    """(rows, K chunk) of a matmul's weight tile: each CTA's share of the n output columns (padded to a
+    power of two, at least 16) by the largest power-of-two chunk dividing k within `budget` elements
+    (32 KB of bf16: enough bytes in flight per SM, few enough registers), at most 1,024."""
+    rows = max(16, next_pow2(triton.cdiv(n, programs)))
+    bk = 16
+    while bk < 1024 and k % (2 * bk) == 0 and rows * 2 * bk <= budget:
+        bk *= 2
+    return rows, bk
 
 
 def loop_eligible(h: torch.Tensor, batch, applies_rope: bool) -> bool:
@@ -440,7 +456,8 @@ def persistent_loop(
     kv_cache [2, L, slots, Hkv, D] and batch (a TritonBatch with max_q_len 1) as for
     TritonPagedAttention, whose cos_sin table applies RoPE. phased: one launch per phase
     (default under the interpreter); programs: the grid (default: the SM count; 3 under
-    the interpreter); config: num_warps, num_stages, BLOCK_K. Counters are allocated on
+    the interpreter); config: num_warps, num_stages, budget (tile_shape), ATT_BLOCK, and SKIP
+    (phases left out: timing experiments only). Counters are allocated on
     the first call of a device (never during CUDA-graph capture).
     """
     m, hidden = h.shape
@@ -451,18 +468,19 @@ def persistent_loop(
     interp = interpreting()
     phased = interp if phased is None else phased
     grid = programs or (3 if interp else _num_sms(h.device))
-    cfg = {"num_warps": 8, "num_stages": 3, "BLOCK_K": block_k(hidden, hqd, inter), **(config or {})}
+    cfg = {"num_warps": 8, "num_stages": 3, "budget": 16384, "SKIP": 0, **(config or {})}
     splits = attention_splits(r, hkv, batch.block_tables.shape[1] * block_size, grid)
     dev, dt = h.device, h.dtype
     bufs = torch.empty(m * (3 * hidden + nqkv + hqd + 2 * inter), dtype=dt, device=dev)
     out, hb, a, qkv, attn, gu = torch.split(bufs, [m * n for n in (hidden, hidden, hidden, nqkv, hqd, 2 * inter)])
-    parts = triton.cdiv(hidden, TILE)
-    ss = torch.zeros(2 * parts * TILE, dtype=torch.float32, device=dev)
+    # Partial sums of squares: per column tile of the residual, per CTA of a sub-block's output.
+    n_h = triton.cdiv(hidden, TILE)
+    ss = torch.empty((n_h + grid) * TILE, dtype=torch.float32, device=dev)
     acc, mx, lsum = partials_scratch(r, num_heads, splits, d, dev)
     bar = _BARRIER.get(dev, 2)
     counters = _ATTN_COUNTERS.get(dev, r * hkv) if splits > 1 else bar
     args = [
-        h, out, hb, qkv, attn, a, gu, ss[: parts * TILE], ss[parts * TILE :], bar,
+        h, out, hb, qkv, attn, a, gu, ss[: n_h * TILE], ss[n_h * TILE :], bar,
         lw.qkv, lw.o, lw.gate_up, lw.down, lw.norms, lw.final_norm,
         kv_cache, batch.slot_mapping, batch.positions, cos_sin, batch.block_tables, batch.row_q_start,
         batch.row_len, batch.row_tok_off, acc, mx, lsum, counters,
@@ -473,10 +491,13 @@ def persistent_loop(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         cos_sin.stride(0), batch.block_tables.stride(0),
     ]  # fmt: skip
+    tiles = {}
+    for name, (n, k) in {"Q": (nqkv, hidden), "O": (hidden, hqd), "G": (2 * inter, hidden), "D": (hidden, inter)}.items():
+        tiles["R" + name], tiles["K" + name] = tile_shape(n, k, grid, cfg["budget"])
     consts = dict(
-        BLOCK_K=cfg["BLOCK_K"], PARTS_P2=next_pow2(parts), NUM_HEADS=num_heads, NUM_KV_HEADS=hkv,
-        GROUP=num_heads // hkv, GROUP_P2=next_pow2(num_heads // hkv), HEAD_DIM=d, D_P2=next_pow2(d),
-        PAGE=block_size, ATT_BLOCK=cfg.get("ATT_BLOCK", 64), NUM_SPLITS=splits,
+        SKIP=cfg["SKIP"], **tiles, H_P2=next_pow2(n_h), G_P2=next_pow2(grid), NUM_HEADS=num_heads,
+        NUM_KV_HEADS=hkv, GROUP=num_heads // hkv, GROUP_P2=next_pow2(num_heads // hkv), HEAD_DIM=d,
+        D_P2=next_pow2(d), PAGE=block_size, ATT_BLOCK=cfg.get("ATT_BLOCK", 64), NUM_SPLITS=splits,
         DOT_PRECISION="tf32", DOT_UPCAST=interp, INTERPRETED=interp,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -484,7 +505,7 @@ def persistent_loop(
         _loop_kernel[(grid,)](*args, 0, *strides, PHASE=-1, **consts)
         return out.view(m, hidden)
     for step in range(2 + 7 * n_layers):
-        phase = PH_N0 if step == 0 else PH_FINAL if step == 1 + 7 * n_layers else (step - 1) % 7 + 1
+        phase = 0 if step == 0 else 8 if step == 1 + 7 * n_layers else (step - 1) % 7 + 1  # PH_N0 .. PH_FINAL
         _loop_kernel[(grid,)](*args, max(step - 1, 0) // 7, *strides, PHASE=phase, **consts)
     return out.view(m, hidden)
 
