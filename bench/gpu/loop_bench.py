@@ -13,6 +13,7 @@ launch-per-kernel loop. Prints one JSON object (also written to --out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -25,18 +26,18 @@ from ouro_fast.model.ouro import OuroForCausalLM
 from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention
 
 CONFIGS = [
-    {"num_warps": 8, "num_stages": 3, "budget": 16384},
-    {"num_warps": 4, "num_stages": 3, "budget": 16384},
-    {"num_warps": 8, "num_stages": 4, "budget": 8192},
-    {"num_warps": 8, "num_stages": 2, "budget": 32768},
+    {"num_warps": 4, "num_stages": 3, "budget": 4096, "ctas_per_sm": 4},
+    {"num_warps": 4, "num_stages": 3, "budget": 8192, "ctas_per_sm": 4},
+    {"num_warps": 8, "num_stages": 3, "budget": 8192, "ctas_per_sm": 2},
+    {"num_warps": 4, "num_stages": 4, "budget": 2048, "ctas_per_sm": 4},
 ]
 # Phases left out (bit masks of kernels/persistent_loop.py's PH_*) to split the step's time: the
 # barriers alone, the matmuls alone, the attention alone, the norms alone. Outputs are then garbage.
 SKIPS = {"barriers_only": 511, "matmuls_only": 405, "attention_only": 507, "norms_only": 110}
 
 
-def build(preset: str):
-    cfg = PRESETS[preset]
+def build(preset: str, layers: int | None = None):
+    cfg = PRESETS[preset] if layers is None else dataclasses.replace(PRESETS[preset], num_hidden_layers=layers)
     with torch.device("cuda"):
         model = OuroForCausalLM(cfg).to(torch.bfloat16).eval()
     with torch.no_grad():
@@ -81,9 +82,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--configs", type=int, default=len(CONFIGS), help="how many of CONFIGS to time")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the preset (debugging)")
+    ap.add_argument("--phased-only", action="store_true", help="run the phase-per-launch loop once and stop")
+    ap.add_argument("--config", default=None, help="JSON: time only this config (e.g. from a sweep driver)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    model = build(args.preset)
+    configs = [json.loads(args.config)] if args.config else CONFIGS[: args.configs]
+    model = build(args.preset, args.layers)
     cfg, page, max_blocks = model.config, 16, 64
     bytes_per_loop = sum(t.numel() * t.element_size() for t in (model._loop_weights.qkv, model._loop_weights.o,
                          model._loop_weights.gate_up, model._loop_weights.down))  # fmt: skip
@@ -100,15 +105,20 @@ def main() -> None:
             h, lw, attn.kv_cache, attn.batch, attn.cos_sin, page, cfg.num_attention_heads, cfg.rms_norm_eps,
             phased=phased, config=c)  # fmt: skip
         entry: dict = {"rows": rows}
+        if args.phased_only:
+            run(configs[0], phased=True)
+            torch.cuda.synchronize()
+            print("phased loop ran", flush=True)
+            return
         t0 = time.perf_counter()
         kv0 = kv.clone()
-        one = run()
+        one = run(configs[0])
         torch.cuda.synchronize()
         entry["first_launch_s"] = round(time.perf_counter() - t0, 2)
         kv_one = kv.clone()
         kv.copy_(kv0)
         if rows == args.rows[0]:  # the phase-per-launch variants compile once per phase: check one row count
-            phased = run(phased=True)
+            phased = run(configs[0], phased=True)
             entry["one_launch_equals_phased"] = bool(torch.equal(one, phased) and torch.equal(kv_one, kv))
             kv.copy_(kv0)
         pl.ENABLED = False
@@ -122,12 +132,13 @@ def main() -> None:
         entry["fused_ms"] = round(time_graph(lambda: fast_loop.run_loop_fused(model, h, attn), args.replays), 4)
         pl.ENABLED = True
         entry["persistent"] = []
-        for c in CONFIGS[: args.configs]:
+        for c in configs:
             ms = time_graph(lambda c=c: run(c), args.replays)
-            entry["persistent"].append({**c, "ms": round(ms, 4), "fraction_of_floor": round(floor_ms / ms, 3)})
+            grids = sorted({g for k, g in pl._GRIDS.items() if tuple(sorted({**pl.DEFAULT_CONFIG, **c}.items())) == k[-1]})
+            entry["persistent"].append({**c, "grid": grids, "ms": round(ms, 4), "fraction_of_floor": round(floor_ms / ms, 3)})
             print(json.dumps(entry["persistent"][-1]), flush=True)
         if rows == args.rows[0]:
-            entry["skip_study"] = {k: round(time_graph(lambda m=m: run({"SKIP": m}), args.replays), 4)
+            entry["skip_study"] = {k: round(time_graph(lambda m=m: run({**configs[0], "SKIP": m}), args.replays), 4)
                                    for k, m in SKIPS.items()}  # fmt: skip
         result["rows"].append(entry)
         print(json.dumps(entry), flush=True)

@@ -455,20 +455,46 @@ def persistent_loop(
 
     kv_cache [2, L, slots, Hkv, D] and batch (a TritonBatch with max_q_len 1) as for
     TritonPagedAttention, whose cos_sin table applies RoPE. phased: one launch per phase
-    (default under the interpreter); programs: the grid (default: the SM count; 3 under
-    the interpreter); config: num_warps, num_stages, budget (tile_shape), ATT_BLOCK, and SKIP
-    (phases left out: timing experiments only). Counters are allocated on
-    the first call of a device (never during CUDA-graph capture).
+    (default under the interpreter); programs: the grid (default: as many CTAs as stay
+    resident together, up to config's ctas_per_sm per SM; 3 under the interpreter);
+    config: keys of DEFAULT_CONFIG. Counters are allocated on the first call of a device
+    (never during CUDA-graph capture).
     """
+    interp = interpreting()
+    phased = interp if phased is None else phased
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    dims = (h.shape[1], *lw.qkv.shape, lw.o.shape[2], lw.down.shape[2], num_heads, *kv_cache.shape[3:])
+    key = (h.device, dims, block_size, tuple(batch.block_tables.shape), tuple(sorted(cfg.items())))
+
+    def plan(grid: int):
+        return _plan(h, lw, kv_cache, batch, cos_sin, block_size, num_heads, eps, grid, cfg, interp)
+
+    grid = programs or (3 if interp else _resident_grid(key, plan, cfg))
+    args, strides, consts, out = plan(grid)
+    if not phased:
+        _loop_kernel[(grid,)](*args, 0, *strides, PHASE=-1, **consts)
+        return out
+    n_layers = lw.qkv.shape[0]
+    for step in range(2 + 7 * n_layers):
+        phase = 0 if step == 0 else 8 if step == 1 + 7 * n_layers else (step - 1) % 7 + 1  # PH_N0 .. PH_FINAL
+        _loop_kernel[(grid,)](*args, max(step - 1, 0) // 7, *strides, PHASE=phase, **consts)
+    return out
+
+
+# num_warps, num_stages: of the kernel; budget: weight-tile elements (tile_shape); ctas_per_sm: the
+# most CTAs per SM (fewer if they do not fit); ATT_BLOCK: context positions per attention step;
+# SKIP: phases left out (timing experiments only).
+DEFAULT_CONFIG = {"num_warps": 4, "num_stages": 3, "budget": 4096, "ctas_per_sm": 4, "ATT_BLOCK": 64, "SKIP": 0}
+_GRIDS: dict[tuple, int] = {}
+
+
+def _plan(h, lw, kv_cache, batch, cos_sin, block_size, num_heads, eps, grid, cfg, interp):
+    # The launch's arguments at `grid` CTAs: scratch buffers, strides and compile-time constants.
     m, hidden = h.shape
     n_layers, nqkv, _ = lw.qkv.shape
     hqd, inter = lw.o.shape[2], lw.down.shape[2]
     hkv, d = kv_cache.shape[3], kv_cache.shape[4]
     r = batch.block_tables.shape[0]
-    interp = interpreting()
-    phased = interp if phased is None else phased
-    grid = programs or (3 if interp else _num_sms(h.device))
-    cfg = {"num_warps": 8, "num_stages": 3, "budget": 16384, "SKIP": 0, **(config or {})}
     splits = attention_splits(r, hkv, batch.block_tables.shape[1] * block_size, grid)
     dev, dt = h.device, h.dtype
     bufs = torch.empty(m * (3 * hidden + nqkv + hqd + 2 * inter), dtype=dt, device=dev)
@@ -492,22 +518,49 @@ def persistent_loop(
         cos_sin.stride(0), batch.block_tables.stride(0),
     ]  # fmt: skip
     tiles = {}
-    for name, (n, k) in {"Q": (nqkv, hidden), "O": (hidden, hqd), "G": (2 * inter, hidden), "D": (hidden, inter)}.items():
+    shapes = {"Q": (nqkv, hidden), "O": (hidden, hqd), "G": (2 * inter, hidden), "D": (hidden, inter)}
+    for name, (n, k) in shapes.items():
         tiles["R" + name], tiles["K" + name] = tile_shape(n, k, grid, cfg["budget"])
     consts = dict(
         SKIP=cfg["SKIP"], **tiles, H_P2=next_pow2(n_h), G_P2=next_pow2(grid), NUM_HEADS=num_heads,
         NUM_KV_HEADS=hkv, GROUP=num_heads // hkv, GROUP_P2=next_pow2(num_heads // hkv), HEAD_DIM=d,
-        D_P2=next_pow2(d), PAGE=block_size, ATT_BLOCK=cfg.get("ATT_BLOCK", 64), NUM_SPLITS=splits,
+        D_P2=next_pow2(d), PAGE=block_size, ATT_BLOCK=cfg["ATT_BLOCK"], NUM_SPLITS=splits,
         DOT_PRECISION="tf32", DOT_UPCAST=interp, INTERPRETED=interp,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if not phased:
-        _loop_kernel[(grid,)](*args, 0, *strides, PHASE=-1, **consts)
-        return out.view(m, hidden)
-    for step in range(2 + 7 * n_layers):
-        phase = 0 if step == 0 else 8 if step == 1 + 7 * n_layers else (step - 1) % 7 + 1  # PH_N0 .. PH_FINAL
-        _loop_kernel[(grid,)](*args, max(step - 1, 0) // 7, *strides, PHASE=phase, **consts)
-    return out.view(m, hidden)
+    return args, strides, consts, out.view(m, hidden)
+
+
+def _resident_grid(key: tuple, plan, cfg: dict) -> int:
+    """SMs x CTAs per SM, as many as fit together (up to ctas_per_sm): every CTA of the grid must be
+    resident at once or a barrier never opens. Compiles the kernel (without launching) to read its
+    registers and shared memory; cached per shape and config."""
+    grid = _GRIDS.get(key)
+    if grid is not None:
+        return grid
+    device = key[0]
+    sms, want = _num_sms(device), cfg["ctas_per_sm"]
+    for _ in range(4):
+        args, strides, consts, _out = plan(sms * want)
+        kernel = _loop_kernel.warmup(*args, 0, *strides, PHASE=-1, **consts, grid=(sms * want,))
+        fit = ctas_per_sm(kernel, cfg["num_warps"], device)
+        if fit >= want:
+            _GRIDS[key] = sms * want
+            return sms * want
+        want = fit  # the grid changed the tiles: compile again at the smaller grid
+    raise RuntimeError(f"persistent_loop: no grid whose CTAs fit together ({cfg})")
+
+
+def ctas_per_sm(kernel, num_warps: int, device: torch.device) -> int:
+    """How many CTAs of a compiled kernel one SM holds at once (registers, shared memory, threads)."""
+    kernel._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    regs = getattr(props, "regs_per_multiprocessor", 65536)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    threads = getattr(props, "max_threads_per_multi_processor", 2048)
+    warp_regs = -(-kernel.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+    by_smem = smem // (kernel.metadata.shared + 1024)  # 1 KB per CTA is reserved
+    return max(0, min(regs // (warp_regs * num_warps), by_smem, threads // (32 * num_warps), 32))
 
 
 @functools.cache
