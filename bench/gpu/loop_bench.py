@@ -58,6 +58,17 @@ def batch_of(rows: int, context: int, page: int, max_blocks: int) -> TritonBatch
                        device=dev), 1)  # fmt: skip
 
 
+def kernel_stats(h, lw, attn, page, cfg, config) -> dict:
+    # Registers, spills and shared memory of the one-launch kernel at this config.
+    full = {**pl.DEFAULT_CONFIG, **config}
+    key = next(k for k in pl._GRIDS if k[-1] == tuple(sorted(full.items())))
+    args, strides, consts, _ = pl._plan(h, lw, attn.kv_cache, attn.batch, attn.cos_sin, page, cfg.num_attention_heads,
+                                        cfg.rms_norm_eps, pl._GRIDS[key], full, False)  # fmt: skip
+    k = pl._loop_kernel.warmup(*args, 0, *strides, PHASE=-1, **consts, grid=(1,))
+    k._init_handles()
+    return {"grid": pl._GRIDS[key], "n_regs": k.n_regs, "n_spills": k.n_spills, "shared": k.metadata.shared}
+
+
 def time_graph(fn, replays: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -138,6 +149,10 @@ def main() -> None:
             entry["persistent"].append({**c, "grid": grids, "ms": round(ms, 4), "fraction_of_floor": round(floor_ms / ms, 3)})
             print(json.dumps(entry["persistent"][-1]), flush=True)
         if rows == args.rows[0]:
+            # The same phases as separate launches (each compiled alone), and the one-launch kernel's resources.
+            entry["phased_ms"] = round(time_graph(lambda: run(configs[0], phased=True), args.replays), 4)
+            entry["kernel"] = kernel_stats(h, lw, attn, page, cfg, configs[0])
+            print(json.dumps({"phased_ms": entry["phased_ms"], "kernel": entry["kernel"]}), flush=True)
             entry["skip_study"] = {k: round(time_graph(lambda m=m: run({**configs[0], "SKIP": m}), args.replays), 4)
                                    for k, m in SKIPS.items()}  # fmt: skip
         result["rows"].append(entry)
