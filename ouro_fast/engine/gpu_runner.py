@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import propagate_kv
-from ..kernels.persistent_loop import stack_layer_weights
 from ..model.exit_rule import exit_mask
 from ..model.fast_loop import run_loop_fused
 from ..model.ouro import OuroForCausalLM
@@ -93,8 +92,6 @@ class GpuModelRunner:
 
         cfg = model.config
         self.model, self.cfg, self.device = model, cfg, device
-        if model.model.layers[0].self_attn.qkv_weight is not None:
-            stack_layer_weights(model)  # the persistent loop's weights, stacked before any graph capture
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
         self.kv_cache = allocate_kv_cache(cfg, num_blocks * block_size, dtype, device)

@@ -66,14 +66,14 @@ def _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HALF: tl.constexpr, HEA
 
 @triton.jit
 def _rotated(x_row_ptr, heads, h_valid, stride_h, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-             D_P2: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+             D_P2: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Heads [H] of one token rotated, [H, D_P2] in DTYPE: every lane computes its pair with
     # rope_write_kv's expressions (x1*cos - x2*sin, x2*cos + x1*sin in fp32) and keeps its half.
     offs_d = tl.arange(0, D_P2)
     mask = h_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
     ptrs = x_row_ptr + heads[:, None] * stride_h + (offs_d % HALF)[None, :]
-    x1 = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
     lo = x1 * cos[None, :] - x2 * sin[None, :]
     hi = x2 * cos[None, :] + x1 * sin[None, :]
     return round_to(tl.where((offs_d < HALF)[None, :], lo, hi), DTYPE, INTERPRETED)
@@ -104,67 +104,6 @@ def _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, str
             round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
             mask=offs_d < HEAD_DIM,
         )
-
-
-@triton.jit
-def decode_program(row, kv_head, split, q_ptr, k_ptr, v_ptr, o_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr,
-                   bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, acc_ptr, m_ptr, l_ptr, cnt_ptr, num_pos, scale_log2,
-                   stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
-                   stride_kcs, stride_kch, stride_vcs, stride_vch, stride_t, stride_bt,
-                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                   GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr,
-                   CACHE: tl.constexpr):  # fmt: skip
-    """One (row, KV head with its GROUP query heads, context slice) of the fused decode; a padding row
-    (length 0) does nothing. CACHE: the cache modifier of the q/k/v loads (".cg" where another CTA of
-    the same launch wrote them: kernels/persistent_loop.py)."""
-    n_q = tl.load(len_ptr + row)
-    q_pos = tl.load(q_start_ptr + row)
-    tok = tl.load(tok_off_ptr + row).to(tl.int64)
-    if n_q > 0:
-        slot = tl.load(slot_ptr + tok)
-        start, end = slice_bounds(q_pos, split, NUM_SPLITS, BLOCK_N)
-        cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, D_P2)
-
-        offs_g = tl.arange(0, GROUP_P2)
-        g_valid = offs_g < GROUP
-        head = kv_head * GROUP + offs_g
-        # The rotated q as rope_write_kv would store it, then read back as paged_decode_attention does.
-        q = _rotated(q_ptr + tok * stride_qn, head, g_valid, stride_qh, cos, sin, HEAD_DIM // 2, HEAD_DIM, D_P2,
-                     q_ptr.dtype.element_ty, INTERPRETED, CACHE).to(tl.float32)  # fmt: skip
-        one = tl.arange(0, 1)
-        k_new = _rotated(k_ptr + tok * stride_kn, kv_head + one, one == 0, stride_kh, cos, sin, HEAD_DIM // 2,
-                         HEAD_DIM, D_P2, kc_ptr.dtype.element_ty, INTERPRETED, CACHE)  # fmt: skip
-        offs_d = tl.arange(0, D_P2)[None, :]
-        v_new = tl.load(v_ptr + tok * stride_vn + kv_head * stride_vh + offs_d, mask=offs_d < HEAD_DIM, other=0.0,
-                        cache_modifier=CACHE)  # fmt: skip
-        # slot < 0 writes nothing: the key and value at q_pos are the cache's, as in the three launches.
-        new_pos = tl.where(slot >= 0, q_pos, -1)
-        m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_ptr + row * stride_bt, kv_head, start, end,
-                                     scale_log2, stride_kcs, stride_kch, stride_vcs, stride_vch, new_pos, k_new,
-                                     v_new, GROUP_P2, HEAD_DIM, D_P2, PAGE, BLOCK_N, True)  # fmt: skip
-        # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
-        # the last split, after its loop, so that under the interpreter (programs run in grid order)
-        # every read of the launch precedes the write and the tests prove that none depends on it.
-        if (split == NUM_SPLITS - 1) & (slot >= 0):
-            _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_vcs,
-                      stride_vch, HEAD_DIM, D_P2)  # fmt: skip
-        if NUM_SPLITS == 1:
-            store_normalised(
-                o_ptr, tok, head, g_valid, stride_on, stride_oh, acc, l_i, HEAD_DIM, D_P2, INTERPRETED
-            )
-        else:
-            part = (row * NUM_HEADS + head) * NUM_SPLITS + split
-            store_partial(acc_ptr, m_ptr, l_ptr, part, g_valid, m_i, l_i, acc, start < end, HEAD_DIM, D_P2)
-            # Every thread's partial is stored before the (release) arrival is counted.
-            tl.debug_barrier()
-            counter = cnt_ptr + row * NUM_KV_HEADS + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh, NUM_HEADS,
-                             GROUP, HEAD_DIM, D_P2, NUM_SPLITS, INTERPRETED)  # fmt: skip
-                # Ready for the next launch: every program of this (row, KV head) has arrived.
-                tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -215,13 +154,57 @@ def _fused_decode_kernel(
     USE_PDL: tl.constexpr,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     pdl_enter(USE_PDL)
-    decode_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, o_ptr, kc_ptr,
-                   vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, acc_ptr, m_ptr,
-                   l_ptr, cnt_ptr, num_pos, scale_log2, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
-                   stride_vh, stride_on, stride_oh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_t,
-                   stride_bt, NUM_HEADS, NUM_KV_HEADS, GROUP, GROUP_P2, HEAD_DIM, D_P2, PAGE, BLOCK_N, NUM_SPLITS,
-                   INTERPRETED, "")  # fmt: skip
+    n_q = tl.load(len_ptr + row)
+    q_pos = tl.load(q_start_ptr + row)
+    tok = tl.load(tok_off_ptr + row).to(tl.int64)
+    if n_q == 0:
+        return
+    slot = tl.load(slot_ptr + tok)
+    start, end = slice_bounds(q_pos, split, NUM_SPLITS, BLOCK_N)
+    cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, D_P2)
+
+    offs_g = tl.arange(0, GROUP_P2)
+    g_valid = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    # The rotated q as rope_write_kv would store it, then read back as paged_decode_attention does.
+    q = _rotated(q_ptr + tok * stride_qn, head, g_valid, stride_qh, cos, sin, HEAD_DIM // 2, HEAD_DIM, D_P2,
+                 q_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)  # fmt: skip
+    one = tl.arange(0, 1)
+    k_new = _rotated(k_ptr + tok * stride_kn, kv_head + one, one == 0, stride_kh, cos, sin, HEAD_DIM // 2,
+                     HEAD_DIM, D_P2, kc_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
+    offs_d = tl.arange(0, D_P2)[None, :]
+    v_new = tl.load(v_ptr + tok * stride_vn + kv_head * stride_vh + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+    # slot < 0 writes nothing: the key and value at q_pos are the cache's, as in the three launches.
+    new_pos = tl.where(slot >= 0, q_pos, -1)
+    m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_ptr + row * stride_bt, kv_head, start, end, scale_log2,
+                                 stride_kcs, stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new,
+                                 GROUP_P2, HEAD_DIM, D_P2, PAGE, BLOCK_N, True)  # fmt: skip
+    # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
+    # the last split, after its loop, so that under the interpreter (programs run in grid order)
+    # every read of the launch precedes the write and the tests prove that none depends on it.
+    if (split == NUM_SPLITS - 1) & (slot >= 0):
+        _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                  HEAD_DIM, D_P2)  # fmt: skip
+    if NUM_SPLITS == 1:
+        store_normalised(
+            o_ptr, tok, head, g_valid, stride_on, stride_oh, acc, l_i, HEAD_DIM, D_P2, INTERPRETED
+        )
+    else:
+        part = (row * NUM_HEADS + head) * NUM_SPLITS + split
+        store_partial(acc_ptr, m_ptr, l_ptr, part, g_valid, m_i, l_i, acc, start < end, HEAD_DIM, D_P2)
+        # Every thread's partial is stored before the (release) arrival is counted.
+        tl.debug_barrier()
+        counter = cnt_ptr + row * NUM_KV_HEADS + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh, NUM_HEADS,
+                         GROUP, HEAD_DIM, D_P2, NUM_SPLITS, INTERPRETED)  # fmt: skip
+            # Ready for the next launch: every program of this (row, KV head) has arrived.
+            tl.atomic_xchg(counter, 0)
 
 
 def fused_decode_attention(

@@ -8,9 +8,6 @@ fused add + two RMSNorms, gate_up matmul, SiLU-and-mul fused into the down
 matmul, fused add + RMSNorm (of the next layer's input, or the final norm after
 the last layer). Up to 16 tokens the matmuls are the skinny Triton kernel (so on
 Hopper every kernel of the loop is a PDL launch); beyond, cuBLAS.
-
-A decode-only call of at most 16 bf16/fp16 tokens instead runs the whole loop as ONE
-persistent launch (kernels/persistent_loop.py; OURO_FAST_PERSISTENT=0 turns it off).
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from ..kernels import add_rms_norm, rms_norm
-from ..kernels.persistent_loop import loop_eligible, persistent_loop, stack_layer_weights
 from ..kernels.skinny_gemm import skinny_linear
 from .ouro import OuroForCausalLM
 
@@ -26,11 +22,6 @@ from .ouro import OuroForCausalLM
 def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tensor:
     """h [N, hidden] -> the loop's normed output [N, hidden] (which feeds the next loop)."""
     cfg = model.config
-    if getattr(attn, "batch", None) is not None and loop_eligible(h, attn.batch, attn.applies_rope):
-        return persistent_loop(
-            h, stack_layer_weights(model), attn.kv_cache, attn.batch, attn.cos_sin, attn.block_size,
-            cfg.num_attention_heads, cfg.rms_norm_eps,
-        )  # fmt: skip
     layers, eps = model.model.layers, cfg.rms_norm_eps
     n, hq, hkv, d = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     x = rms_norm(h, layers[0].input_layernorm.weight, eps)
