@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: pip install 'triton>=3.0')")
 
-from ouro_fast.kernels import silu_and_mul, skinny_gemm  # noqa: E402
+from ouro_fast.kernels import pdl, silu_and_mul, skinny_gemm  # noqa: E402
 from ouro_fast.kernels.pdl import pdl_enabled, pdl_launch  # noqa: E402
 from ouro_fast.kernels.skinny_gemm import (  # noqa: E402
     SKINNY_MAX_M,
@@ -180,6 +180,17 @@ def test_pdl_is_off_where_unsupported(monkeypatch):
         assert pdl_launch(dev) == ({"USE_PDL": True, "launch_pdl": True} if hopper else {"USE_PDL": False})
         monkeypatch.setenv("OURO_FAST_PDL", "0")
         assert not pdl_enabled(dev) and pdl_launch(dev) == {"USE_PDL": False}
+
+
+def test_kernels_named_plain_launch_without_the_attribute(monkeypatch):
+    # OURO_FAST_PDL_PLAIN: those kernels still wait and release (USE_PDL) but launch plainly.
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(pdl, "_PLAIN", frozenset({"skinny", "norm"}))
+    dev = torch.device("cpu")
+    assert pdl.pdl_launch(dev, "skinny") == {"USE_PDL": True, "launch_pdl": False}
+    assert pdl.pdl_launch(dev, "norm") == {"USE_PDL": True, "launch_pdl": False}
+    assert pdl.pdl_launch(dev, "rope_kv") == {"USE_PDL": True, "launch_pdl": True}
+    assert pdl.pdl_launch(dev) == {"USE_PDL": True, "launch_pdl": True}
 
 
 @pytest.mark.parametrize("n, k", [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (50, 100)])

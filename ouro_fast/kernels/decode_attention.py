@@ -314,7 +314,7 @@ def paged_decode_attention(
     merge_warps = cfg.pop("merge_warps", 1 if splits * next_pow2(d) <= 2048 else 4)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc, m, lsum = partials_scratch(r, hq, splits, d, q.device)
-    interp, pdl = interpreting(), pdl_launch(q.device)
+    interp, pdl = interpreting(), pdl_launch(q.device, "decode_attention")
     _decode_split_kernel[(r, hkv, splits)](
         q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off, acc, m, lsum,
         scale * math.log2(math.e),

@@ -97,7 +97,8 @@ def rms_norm(
         h = x.shape[1]
         _rms_norm_kernel[(x.shape[0],)](
             x, weight, out, eps, x.stride(0), out.stride(0),
-            H=h, BLOCK=next_pow2(h), INTERPRETED=interpreting(), num_warps=_warps(h), **pdl_launch(x.device),
+            H=h, BLOCK=next_pow2(h), INTERPRETED=interpreting(), num_warps=_warps(h),
+            **pdl_launch(x.device, "norm"),
         )  # fmt: skip
     return out
 
@@ -129,7 +130,8 @@ def add_rms_norm(
         _add_rms_norm_kernel[(h.shape[0],)](
             h, a, weight_a, weight_next, h_out, x_out, eps,
             h.stride(0), a.stride(0), h_out.stride(0), x_out.stride(0),
-            H=n, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=_warps(n), **pdl_launch(h.device),
+            H=n, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=_warps(n),
+            **pdl_launch(h.device, "norm"),
         )  # fmt: skip
     return h_out, x_out
 

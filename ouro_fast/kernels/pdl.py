@@ -8,8 +8,12 @@ and pdl_enter then lets the kernel after it launch in turn. Reads of memory no
 kernel in the step writes (weights) may come before pdl_enter.
 
 Enabled on CUDA devices of compute capability >= 9 (not under the interpreter);
-OURO_FAST_PDL=0 turns it off. A kernel launched without PDL after one with PDL, or
-the reverse, is ordered as usual, so PDL and plain launches mix safely.
+OURO_FAST_PDL=0 turns it off. OURO_FAST_PDL_PLAIN (comma-separated kernel names: skinny,
+norm, rope_kv, decode_attention) launches those kernels without the attribute, for A/B
+runs: they still wait and release their successor, but start only once their
+predecessor is done (a large grid launched early may crowd onto the SMs freed first).
+A kernel launched without PDL after one with PDL, or the reverse, is ordered as
+usual, so PDL and plain launches mix safely.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ def pdl_enabled(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_launch(device: torch.device) -> dict:
-    """Launch options for a kernel that calls pdl_enter: USE_PDL, plus launch_pdl when enabled."""
-    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
+def pdl_launch(device: torch.device, kernel: str = "") -> dict:
+    """Launch options for a kernel that calls pdl_enter: USE_PDL, plus launch_pdl when enabled
+    (unless `kernel` is named in OURO_FAST_PDL_PLAIN)."""
+    if not pdl_enabled(device):
+        return {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": kernel not in _PLAIN}
+
+
+_PLAIN = frozenset(os.environ.get("OURO_FAST_PDL_PLAIN", "").split(","))

@@ -178,6 +178,6 @@ def rope_write_kv(
         cos_sin.stride(0),
         HQ=hq, HKV=hkv, HQ_P2=next_pow2(hq), HKV_P2=next_pow2(hkv), HALF=d // 2, HALF_P2=next_pow2(d // 2),
         HEAD_DIM=d, D_P2=next_pow2(d), APPLY_ROPE=rope, num_warps=4,
-        INTERPRETED=interpreting(), **pdl_launch(q.device),
+        INTERPRETED=interpreting(), **pdl_launch(q.device, "rope_kv"),
     )  # fmt: skip
     return q_out

@@ -401,7 +401,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
     n_tiles = triton.cdiv(n, block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counters = _COUNTERS.get(x.device, n_tiles) if split > 1 and fused else out
-    interp, pdl = interpreting(), pdl_launch(x.device)
+    interp, pdl = interpreting(), pdl_launch(x.device, "skinny")
     _skinny_kernel[(n_tiles, split)](
         x, w, out, ws, counters, out if gate is None else gate, m, n, k, k_per_split,
         x.stride(0), w.stride(0), out.stride(0),

@@ -1,0 +1,85 @@
+"""The GPU time of one captured decode loop (run_loop_fused), without the engine: for A/B switches.
+
+Builds the ouro-1.4b preset in memory (random bf16 weights; no checkpoint to write), a
+paged KV cache with every row at context ~`--context`, and times one loop over all
+layers captured in a CUDA graph (CUDA events over `--replays` replays) at each row
+count. Environment switches (OURO_FAST_PDL, OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT,
+OURO_FAST_FUSED_DECODE) are read at import: run one process per setting, e.g.
+
+    for v in "" skinny norm; do OURO_FAST_PDL_PLAIN=$v python3 bench/gpu/step_bench.py --tag "$v"; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ouro_fast.model.checkpoints import PRESETS
+from ouro_fast.model.fast_loop import run_loop_fused
+from ouro_fast.model.ouro import OuroForCausalLM
+from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention
+
+
+def build(preset: str) -> OuroForCausalLM:
+    with torch.device("cuda"):
+        model = OuroForCausalLM(PRESETS[preset]).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.02)
+    model.fuse()
+    return model
+
+
+def decode_batch(rows: int, context: int, page: int, max_blocks: int) -> TritonBatch:
+    """Row r decodes position context + r through its own blocks."""
+    pos = torch.arange(rows, device="cuda", dtype=torch.int64) + context
+    tables = torch.arange(rows * max_blocks, device="cuda", dtype=torch.int32).view(rows, max_blocks)
+    slots = tables[torch.arange(rows, device="cuda"), pos // page].to(torch.int64) * page + pos % page
+    idx = torch.arange(rows, dtype=torch.int32, device="cuda")
+    return TritonBatch(slots, pos, tables, pos.to(torch.int32), torch.ones_like(idx), idx, 1)
+
+
+def graph_ms(fn, replays: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="ouro-1.4b")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=160)
+    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    model = build(args.preset)
+    cfg, page, max_blocks = model.config, 16, 64
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".layers." in n)
+    out = {"tag": args.tag, "context": args.context, "floor_ms_4.8TBs": round(weights / 4.8e9, 4)}
+    for rows in args.rows:
+        shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
+        cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
+        attn = TritonPagedAttention(cache, page, cfg.rope_theta, max_blocks * page)
+        attn.batch = decode_batch(rows, args.context, page, max_blocks)
+        h = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+        with torch.inference_mode():
+            step = lambda h=h, attn=attn: run_loop_fused(model, h, attn)  # noqa: E731
+            out[f"rows_{rows}_ms"] = round(graph_ms(step, args.replays), 4)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
