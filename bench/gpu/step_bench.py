@@ -67,7 +67,12 @@ def main() -> None:
     args = ap.parse_args()
     model = build(args.preset)
     cfg, page, max_blocks = model.config, 16, 64
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".layers." in n)
+    weights = sum(
+        t.numel() * t.element_size()
+        for layer in model.model.layers
+        for t in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
+                  layer.mlp.down_proj.weight)
+    )  # fmt: skip
     out = {"tag": args.tag, "context": args.context, "floor_ms_4.8TBs": round(weights / 4.8e9, 4)}
     for rows in args.rows:
         shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)

@@ -1,0 +1,153 @@
+"""How fast can the H200 stream one Ouro-1.4B layer's weights? A bound for a persistent decode loop.
+
+A layer's matmuls read 102.8 MB (qkv 25.2, o_proj 8.4, gate_up 46.1, down 23.1). This
+streams buffers of those sizes and reports TB/s:
+  separate  one launch per matrix (four launches per layer, captured in a CUDA graph),
+            as the launch-per-kernel loop does, but with no arithmetic;
+  resident  one launch for all layers: a grid that stays resident, each CTA streaming a
+            contiguous share of every matrix, with a grid barrier between matrices
+            (thread 0 polls an arrival counter), as a persistent loop would.
+Each CTA sums what it reads (fp32) so no load is optimised away. Prints one JSON line per
+setting. Usage: python3 bench/gpu/stream_bench.py [--layers 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+SIZES_MB = (25.2, 8.4, 46.1, 23.1)  # qkv, o_proj, gate_up, down of one layer
+
+
+@triton.jit
+def _grid_sync(bar_ptr, target):
+    # All CTAs' arrivals counted (count >= target) before any goes on; thread 0 alone polls.
+    tl.debug_barrier()
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred pnz, pwait;
+        .reg .u32 rtid, rseen;
+        mov.u32 $0, 0;
+        mov.u32 rtid, %tid.x;
+        setp.ne.u32 pnz, rtid, 0;
+        @pnz bra SYNC_DONE;
+        SYNC_SPIN:
+        ld.acquire.gpu.global.u32 rseen, [$1];
+        setp.lt.s32 pwait, rseen, $2;
+        @pwait bra SYNC_SPIN;
+        SYNC_DONE:
+        }""",
+        constraints="=r,l,r",
+        args=[bar_ptr, target],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+    tl.debug_barrier()
+
+
+@triton.jit
+def _stream_share(w_ptr, n, pid, G, BLOCK: tl.constexpr):
+    # CTA pid's contiguous share of w[0:n] (n a multiple of BLOCK), summed.
+    blocks = n // BLOCK
+    lo = (pid * blocks) // G
+    hi = ((pid + 1) * blocks) // G
+    acc = tl.zeros([BLOCK], tl.float32)
+    for b in range(lo, hi):
+        acc += tl.load(w_ptr + b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+    return tl.sum(acc)
+
+
+@triton.jit
+def _stream_kernel(w_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    tl.store(out_ptr + pid, _stream_share(w_ptr, n, pid, tl.num_programs(0), BLOCK))
+
+
+@triton.jit
+def _resident_kernel(w0, w1, w2, w3, n0, n1, n2, n3, ls0, ls1, ls2, ls3, L, out_ptr, bar_ptr,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    # ls0..ls3: each matrix's layer stride.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    total = 0.0
+    for layer in range(L):
+        lw = layer.to(tl.int64)
+        total += _stream_share(w0 + lw * ls0, n0, pid, G, BLOCK)
+        _grid_sync(bar_ptr, (4 * layer + 1) * G)
+        total += _stream_share(w1 + lw * ls1, n1, pid, G, BLOCK)
+        _grid_sync(bar_ptr, (4 * layer + 2) * G)
+        total += _stream_share(w2 + lw * ls2, n2, pid, G, BLOCK)
+        _grid_sync(bar_ptr, (4 * layer + 3) * G)
+        total += _stream_share(w3 + lw * ls3, n3, pid, G, BLOCK)
+        _grid_sync(bar_ptr, (4 * layer + 4) * G)
+    tl.store(out_ptr + pid, total)
+
+
+def graph_ms(fn, replays: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=24)
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    block_align = 16384
+    sizes = [int(mb * 1e6 / 2) // block_align * block_align for mb in SIZES_MB]  # bf16 elements
+    mats = [torch.randn(args.layers, n, device="cuda").to(torch.bfloat16) for n in sizes]
+    layer_bytes = 2 * sum(sizes)
+    out = torch.empty(sms * 16, device="cuda")
+    for block in (2048, 8192):
+        for warps in (4, 8):
+            for ctas in (2, 4, 8):
+                grid = sms * ctas
+
+                def separate(block=block, warps=warps, grid=grid):
+                    for layer in range(args.layers):
+                        for m, n in zip(mats, sizes):
+                            _stream_kernel[(grid,)](m[layer], n, out, BLOCK=block, num_warps=warps,
+                                                    num_stages=3)  # fmt: skip
+
+                ms = graph_ms(separate)
+                row = {"mode": "separate", "block": block, "warps": warps, "ctas_per_sm": ctas,
+                       "us_per_layer": round(1000 * ms / args.layers, 2),
+                       "tb_s": round(layer_bytes * args.layers / ms / 1e9, 3)}  # fmt: skip
+                print(json.dumps(row), flush=True)
+    for block in (2048, 8192):
+        for warps in (4, 8):
+            for ctas in (1, 2, 4):
+                grid = sms * ctas  # resident together: these kernels use few registers and no shared memory
+                bar = torch.zeros(2, dtype=torch.int32, device="cuda")
+
+                def resident(block=block, warps=warps, grid=grid, bar=bar):
+                    bar.zero_()
+                    strides = (m.stride(0) for m in mats)
+                    _resident_kernel[(grid,)](*mats, *sizes, *strides, args.layers, out, bar, BLOCK=block,
+                                              num_warps=warps, num_stages=3)  # fmt: skip
+
+                ms = graph_ms(resident)
+                row = {"mode": "resident", "block": block, "warps": warps, "ctas_per_sm": ctas,
+                       "us_per_layer": round(1000 * ms / args.layers, 2),
+                       "tb_s": round(layer_bytes * args.layers / ms / 1e9, 3)}  # fmt: skip
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
