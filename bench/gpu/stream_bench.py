@@ -59,7 +59,7 @@ def _stream_share(w_ptr, n, pid, G, BLOCK: tl.constexpr):
     hi = ((pid + 1) * blocks) // G
     acc = tl.zeros([BLOCK], tl.float32)
     for b in range(lo, hi):
-        acc += tl.load(w_ptr + b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+        acc += tl.load(w_ptr + b * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)  # n < 2**31
     return tl.sum(acc)
 
 
