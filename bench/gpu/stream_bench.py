@@ -7,8 +7,10 @@ streams buffers of those sizes and reports TB/s:
   resident  one launch for all layers: a grid that stays resident, each CTA streaming a
             contiguous share of every matrix, with a grid barrier between matrices
             (thread 0 polls an arrival counter), as a persistent loop would.
-Each CTA sums what it reads (fp32) so no load is optimised away. Prints one JSON line per
-setting. Usage: python3 bench/gpu/stream_bench.py [--layers 24]
+Each CTA sums what it reads (fp32) so no load is optimised away. With --tma both modes
+also run on tensor-memory-accelerator (TMA) block loads through tensor descriptors, which
+Triton pipelines as bulk asynchronous copies (Hopper), instead of per-thread pointer loads.
+Prints one JSON line per setting. Usage: python3 bench/gpu/stream_bench.py [--layers 24] [--tma]
 """
 
 from __future__ import annotations
@@ -89,6 +91,77 @@ def _resident_kernel(w0, w1, w2, w3, n0, n1, n2, n3, ls0, ls1, ls2, ls3, L, out_
     tl.store(out_ptr + pid, total)
 
 
+@triton.jit
+def _tma_share(desc, row0, rows, pid, G, BR: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr):
+    # CTA pid's contiguous share of rows [row0, row0 + rows) of a [*, BC] descriptor, BR rows a copy, summed;
+    # STAGES copies in flight (tl.range pipelines loads that feed no dot, too).
+    blocks = rows // BR
+    lo = (pid * blocks) // G
+    hi = ((pid + 1) * blocks) // G
+    acc = tl.zeros([BR, BC], tl.float32)
+    for b in tl.range(lo, hi, num_stages=STAGES):
+        acc += desc.load([row0 + b * BR, 0]).to(tl.float32)
+    return tl.sum(acc)
+
+
+@triton.jit
+def _stream_tma_kernel(desc, row0, rows, out_ptr, BR: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    tl.store(out_ptr + pid, _tma_share(desc, row0, rows, pid, tl.num_programs(0), BR, BC, STAGES))
+
+
+@triton.jit
+def _resident_tma_kernel(d0, d1, d2, d3, r0, r1, r2, r3, L, out_ptr, bar_ptr, BR: tl.constexpr,
+                         BC: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    # r0..r3: each matrix's rows per layer (its descriptor spans all layers).
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    total = 0.0
+    for layer in range(L):
+        total += _tma_share(d0, layer * r0, r0, pid, G, BR, BC, STAGES)
+        _grid_sync(bar_ptr, (4 * layer + 1) * G)
+        total += _tma_share(d1, layer * r1, r1, pid, G, BR, BC, STAGES)
+        _grid_sync(bar_ptr, (4 * layer + 2) * G)
+        total += _tma_share(d2, layer * r2, r2, pid, G, BR, BC, STAGES)
+        _grid_sync(bar_ptr, (4 * layer + 3) * G)
+        total += _tma_share(d3, layer * r3, r3, pid, G, BR, BC, STAGES)
+        _grid_sync(bar_ptr, (4 * layer + 4) * G)
+    tl.store(out_ptr + pid, total)
+
+
+def run_tma(mats, sizes, layers: int, out, layer_bytes: int, sms: int) -> None:
+    """The two modes on TMA block loads: matrices viewed as [layers * n / BC, BC], blocks of BR rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+    bc = 256
+    rows = [n // bc for n in sizes]
+    for br in (32, 64):
+        descs = [TensorDescriptor.from_tensor(m.view(-1, bc), [br, bc]) for m in mats]
+        for stages in (3, 4):
+            for ctas in (1, 2):
+                grid = sms * ctas
+
+                def separate(br=br, descs=descs, stages=stages, grid=grid):
+                    for layer in range(layers):
+                        for d, r in zip(descs, rows):
+                            _stream_tma_kernel[(grid,)](d, layer * r, r, out, BR=br, BC=bc, STAGES=stages,
+                                                        num_warps=4)  # fmt: skip
+
+                bar = torch.zeros(2, dtype=torch.int32, device="cuda")
+
+                def resident(br=br, descs=descs, stages=stages, grid=grid, bar=bar):
+                    bar.zero_()
+                    _resident_tma_kernel[(grid,)](*descs, *rows, layers, out, bar, BR=br, BC=bc,
+                                                  STAGES=stages, num_warps=4)  # fmt: skip
+
+                for mode, fn in (("separate_tma", separate), ("resident_tma", resident)):
+                    ms = graph_ms(fn)
+                    row = {"mode": mode, "block": [br, bc], "stages": stages, "ctas_per_sm": ctas,
+                           "us_per_layer": round(1000 * ms / layers, 2),
+                           "tb_s": round(layer_bytes * layers / ms / 1e9, 3)}  # fmt: skip
+                    print(json.dumps(row), flush=True)
+
+
 def graph_ms(fn, replays: int = 20) -> float:
     fn()
     torch.cuda.synchronize()
@@ -107,6 +180,8 @@ def graph_ms(fn, replays: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--tma", action="store_true", help="also the TMA (tensor descriptor) variants")
+    ap.add_argument("--tma-only", action="store_true")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     block_align = 16384
@@ -114,6 +189,10 @@ def main() -> None:
     mats = [torch.randn(args.layers, n, device="cuda").to(torch.bfloat16) for n in sizes]
     layer_bytes = 2 * sum(sizes)
     out = torch.empty(sms * 16, device="cuda")
+    if args.tma or args.tma_only:
+        run_tma(mats, sizes, args.layers, out, layer_bytes, sms)
+    if args.tma_only:
+        return
     for block in (2048, 8192):
         for warps in (4, 8):
             for ctas in (2, 4, 8):

@@ -1,0 +1,40 @@
+"""bench/gpu/stream_bench.py's kernels read every element exactly once, whatever the grid.
+
+The benchmark's TB/s figures are bytes / time: they hold only if each CTA's share
+covers the buffer without gaps or overlaps. Checked under the Triton interpreter
+on the CPU (the resident kernels' barriers need a GPU; they call the same shares).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed")
+
+from bench.gpu import stream_bench  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("grid", [1, 3, 7])
+def test_pointer_shares_cover_the_buffer_once(grid):
+    n = 5 * 2048
+    w = torch.randn(n, generator=torch.Generator().manual_seed(grid)).to(DEV, torch.bfloat16)
+    out = torch.zeros(grid, device=DEV)
+    stream_bench._stream_kernel[(grid,)](w, n, out, BLOCK=2048)
+    assert out.sum().item() == pytest.approx(w.float().sum().item(), abs=1e-2)
+
+
+@pytest.mark.parametrize("grid", [1, 3, 7])
+def test_tma_shares_cover_one_layer_once(grid):
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+    layers, rows, bc = 3, 5 * 32, 256
+    m = torch.randn(layers, rows * bc, generator=torch.Generator().manual_seed(grid)).to(DEV, torch.bfloat16)
+    desc = TensorDescriptor.from_tensor(m.view(-1, bc), [32, bc])
+    out = torch.zeros(grid, device=DEV)
+    stream_bench._stream_tma_kernel[(grid,)](desc, 1 * rows, rows, out, BR=32, BC=bc, STAGES=2)
+    assert out.sum().item() == pytest.approx(m[1].float().sum().item(), abs=1e-2)
