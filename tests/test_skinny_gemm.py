@@ -191,6 +191,10 @@ def test_kernels_named_plain_launch_without_the_attribute(monkeypatch):
     assert pdl.pdl_launch(dev, "norm") == {"USE_PDL": True, "launch_pdl": False}
     assert pdl.pdl_launch(dev, "rope_kv") == {"USE_PDL": True, "launch_pdl": True}
     assert pdl.pdl_launch(dev) == {"USE_PDL": True, "launch_pdl": True}
+    # Unset or empty, no kernel is plain (a kernel passing no name included).
+    assert pdl.plain_kernels("") == frozenset() and pdl.plain_kernels(" skinny, norm,") == {"skinny", "norm"}
+    monkeypatch.setattr(pdl, "_PLAIN", pdl.plain_kernels(""))
+    assert pdl.pdl_launch(dev) == pdl.pdl_launch(dev, "skinny") == {"USE_PDL": True, "launch_pdl": True}
 
 
 @pytest.mark.parametrize("n, k", [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (50, 100)])

@@ -56,4 +56,9 @@ def pdl_launch(device: torch.device, kernel: str = "") -> dict:
     return {"USE_PDL": True, "launch_pdl": kernel not in _PLAIN}
 
 
-_PLAIN = frozenset(os.environ.get("OURO_FAST_PDL_PLAIN", "").split(","))
+def plain_kernels(spec: str) -> frozenset[str]:
+    """The kernel names of an OURO_FAST_PDL_PLAIN value ("skinny,norm"); empty names are ignored."""
+    return frozenset(name.strip() for name in spec.split(",") if name.strip())
+
+
+_PLAIN = plain_kernels(os.environ.get("OURO_FAST_PDL_PLAIN", ""))
