@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 from ouro_fast.engine.engine import Engine, EngineConfig
 from ouro_fast.engine.sampling import SamplingParams
 from ouro_fast.model.checkpoints import make_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
+from replay_timing import replay_ms  # noqa: E402
 
 CKPT = os.environ.get("OURO_PROBE_CKPT", "/tmp/ck14")
 
@@ -153,15 +157,7 @@ def graph_step_times(eng: Engine, replays: int = 200) -> list[dict]:
         for kind, g in timed:
             if g is None:
                 continue
-            for _ in range(10):
-                g.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / replays
+            ms = replay_ms(g, replays)
             rows.append({"rows": n, "graph": kind, "gpu_ms": round(ms, 4), "floor_ms": round(floor_ms, 4),
                          "fraction_of_floor": round(floor_ms / ms, 3)})  # fmt: skip
         if lanes is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,9 @@ from ouro_fast.model.checkpoints import PRESETS
 from ouro_fast.model.fast_loop import run_loop_fused
 from ouro_fast.model.ouro import OuroForCausalLM
 from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention
+
+sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
+from replay_timing import capture, replay_ms  # noqa: E402
 
 
 def build(preset: str) -> OuroForCausalLM:
@@ -39,22 +44,6 @@ def decode_batch(rows: int, context: int, page: int, max_blocks: int) -> TritonB
     slots = tables[torch.arange(rows, device="cuda"), pos // page].to(torch.int64) * page + pos % page
     idx = torch.arange(rows, dtype=torch.int32, device="cuda")
     return TritonBatch(slots, pos, tables, pos.to(torch.int32), torch.ones_like(idx), idx, 1)
-
-
-def graph_ms(fn, replays: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 def main() -> None:
@@ -82,7 +71,7 @@ def main() -> None:
         h = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
         with torch.inference_mode():
             step = lambda h=h, attn=attn: run_loop_fused(model, h, attn)  # noqa: E731
-            out[f"rows_{rows}_ms"] = round(graph_ms(step, args.replays), 4)
+            out[f"rows_{rows}_ms"] = round(replay_ms(capture(step), args.replays, warmup=1), 4)
     print(json.dumps(out), flush=True)
 
 

@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
+from replay_timing import capture, replay_ms  # noqa: E402
 
 SIZES_MB = (25.2, 8.4, 46.1, 23.1)  # qkv, o_proj, gate_up, down of one layer
 
@@ -155,26 +160,11 @@ def run_tma(mats, sizes, layers: int, out, layer_bytes: int, sms: int) -> None:
                                                   STAGES=stages, num_warps=4)  # fmt: skip
 
                 for mode, fn in (("separate_tma", separate), ("resident_tma", resident)):
-                    ms = graph_ms(fn)
+                    ms = replay_ms(capture(fn), 20, warmup=0)
                     row = {"mode": mode, "block": [br, bc], "stages": stages, "ctas_per_sm": ctas,
                            "us_per_layer": round(1000 * ms / layers, 2),
                            "tb_s": round(layer_bytes * layers / ms / 1e9, 3)}  # fmt: skip
                     print(json.dumps(row), flush=True)
-
-
-def graph_ms(fn, replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 def main() -> None:
@@ -204,7 +194,7 @@ def main() -> None:
                             _stream_kernel[(grid,)](m[layer], n, out, BLOCK=block, num_warps=warps,
                                                     num_stages=3)  # fmt: skip
 
-                ms = graph_ms(separate)
+                ms = replay_ms(capture(separate), 20, warmup=0)
                 row = {"mode": "separate", "block": block, "warps": warps, "ctas_per_sm": ctas,
                        "us_per_layer": round(1000 * ms / args.layers, 2),
                        "tb_s": round(layer_bytes * args.layers / ms / 1e9, 3)}  # fmt: skip
@@ -221,7 +211,7 @@ def main() -> None:
                     _resident_kernel[(grid,)](*mats, *sizes, *strides, args.layers, out, bar, BLOCK=block,
                                               num_warps=warps, num_stages=3)  # fmt: skip
 
-                ms = graph_ms(resident)
+                ms = replay_ms(capture(resident), 20, warmup=0)
                 row = {"mode": "resident", "block": block, "warps": warps, "ctas_per_sm": ctas,
                        "us_per_layer": round(1000 * ms / args.layers, 2),
                        "tb_s": round(layer_bytes * args.layers / ms / 1e9, 3)}  # fmt: skip
