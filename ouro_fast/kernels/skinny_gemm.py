@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._util import ArrivalCounters, check_float, check_same_dtype, interpreting, next_pow2
-from .pdl import pdl_enabled, pdl_enter, pdl_launch
+from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 from .swiglu import silu_and_mul, silu_mul
 
@@ -40,9 +40,6 @@ from .swiglu import silu_and_mul, silu_mul
 SKINNY_MAX_M = 16
 # Load each program's first weight chunk before the PDL wait (OURO_FAST_EARLY_WEIGHT=0: after, for A/B runs).
 EARLY_WEIGHT = os.environ.get("OURO_FAST_EARLY_WEIGHT", "1") != "0"
-# Fraction of each program's weight share bulk-prefetched into L2 before its PDL wait (Hopper;
-# OURO_FAST_L2_PREFETCH, 0 = off): HBM otherwise idles while the small kernels before a matmul run.
-L2_PREFETCH = float(os.environ.get("OURO_FAST_L2_PREFETCH", "0"))
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
 _MIN_COUNTERS = 8192
 # The fastest config per (N, K, next_pow2(M)) of the Ouro-1.4B decode matmuls, measured in isolation on
@@ -171,34 +168,6 @@ def _fma_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _prefetch_l2(row_ptrs, nbytes):
-    # One bulk copy per row pointer into L2 (TMA unit, sm_90); fire and forget, nothing waits.
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        setp.gt.s32 p, $2, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""",
-        constraints="=r,l,r",
-        args=[row_ptrs, nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_share(w_ptr, w_rows, stride_wn, k_start, k_end, pf_elems, BLOCK_K: tl.constexpr,
-                    PREFETCH: tl.constexpr):  # fmt: skip
-    # Up to pf_elems of each row's K range after its first chunk, one bulk L2 prefetch per row.
-    if PREFETCH:
-        elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        nbytes = tl.minimum(pf_elems, k_end - k_start - BLOCK_K) * elem_bytes
-        _prefetch_l2(w_ptr + w_rows * stride_wn + k_start + BLOCK_K, nbytes)
-
-
-@triton.jit
 def _load_first_w(w_ptrs, k_start, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # The CTA's first weight chunk (zeros for an empty K range). With EVEN_K a chunk is wholly in or
     # out, so the mask is uniform along K and the load stays vectorised.
@@ -221,7 +190,6 @@ def _skinny_kernel(
     N,
     K,
     k_per_split,
-    pf_elems,
     stride_xm,
     stride_wn,
     stride_om,
@@ -239,7 +207,6 @@ def _skinny_kernel(
     USE_PDL: tl.constexpr,
     EARLY_W: tl.constexpr,
     GATED: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of every row, over K range pid_k.
     pid_n = tl.program_id(0)
@@ -259,11 +226,8 @@ def _skinny_kernel(
         if tl.max(tl.load(gate_ptr + offs_m, mask=offs_m < M, other=0), axis=0) == 0:
             return
         w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
-        _prefetch_share(w_ptr, w_rows, stride_wn, k_start, k_end, pf_elems, BLOCK_K, PREFETCH)
     elif EARLY_W:
         w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
-        # The rest of the share heads for L2 while the previous kernel runs.
-        _prefetch_share(w_ptr, w_rows, stride_wn, k_start, k_end, pf_elems, BLOCK_K, PREFETCH)
         pdl_enter(USE_PDL)
     else:
         pdl_enter(USE_PDL)
@@ -438,16 +402,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counters = _COUNTERS.get(x.device, n_tiles) if split > 1 and fused else out
     interp, pdl = interpreting(), pdl_launch(x.device, "skinny")
-    pf_elems = _prefetch_elems(w, k_per_split - block_k, interp)
     _skinny_kernel[(n_tiles, split)](
         x, w, out, ws, counters, out if gate is None else gate, m, n, k, k_per_split,
-        pf_elems, x.stride(0), w.stride(0), out.stride(0),
+        x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, FUSED_REDUCE=fused,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
         INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, GATED=gate is not None,
-        PREFETCH=pf_elems > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
     if split > 1 and not fused:
@@ -455,15 +417,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
             ws, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, INTERPRETED=interp, num_warps=4, **pdl
         )
-
-
-def _prefetch_elems(w: torch.Tensor, rest: int, interp: bool) -> int:
-    """Elements of each weight row (after the first chunk) to prefetch into L2; 0 = no prefetch.
-    Bulk copies need 16-byte aligned starts and sizes, and a GPU (compiled, Hopper or newer)."""
-    align = 16 // w.element_size()
-    if L2_PREFETCH <= 0 or interp or not pdl_enabled(w.device) or w.data_ptr() % 16 or w.stride(0) % align:
-        return 0
-    return int(min(1.0, L2_PREFETCH) * rest) // align * align
 
 
 # Per device: the arrival counters (all zero between launches).
