@@ -47,8 +47,7 @@ def test_triton_runner_matches_torch_runner(model_dir, threshold):
 
 
 def test_a_request_joining_mid_decode_matches_torch_runner(model_dir):
-    # Its prefill chunk shares a step with rows carried from the last step: on a GPU that step
-    # shape is new, so it is captured then (its warm-up must not disturb the carried state).
+    # Its prefill chunk shares a step with rows carried from the last step (a mixed step shape).
     params = SamplingParams(max_tokens=6, temperature=0, exit_threshold=0.5, ignore_eos=True)
     opts = dict(model=model_dir, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=256)
 
@@ -95,3 +94,18 @@ def test_bf16_engine_matches_fp32_dense_reference_within_tolerance(model_dir):
             assert err <= BF16_REL_TOL, (i, k, err)
             if got.output_ids[k] != want.tokens[k]:
                 break
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_every_step_replays_a_graph_captured_at_start_up(model_dir, monkeypatch):
+    # Prefill, mixed and decode steps all find their shape captured: none runs eagerly, and no
+    # graph is captured while requests wait.
+    opts = dict(model=model_dir, dtype="float32", runner="triton", max_num_batched_tokens=16)
+    engine = Engine(EngineConfig(**opts))
+    runner = engine.runner
+    captured = set(runner.graphs)
+    eager = []
+    monkeypatch.setattr(runner, "_forward", lambda *shape: eager.append(shape))
+    params = SamplingParams(max_tokens=6, temperature=0, exit_threshold=0.5, ignore_eos=True)
+    generate(engine, params)
+    assert eager == [] and set(runner.graphs) == captured

@@ -4,9 +4,11 @@ Same contract as ModelRunner.execute (and tested against it). Every step's input
 are packed on the host into pinned buffers and copied to the device in two
 transfers; the tensors the kernels read are fixed views into one device buffer.
 A step runs padded to a power-of-two shape (rows, tokens, longest row), padding
-rows and tokens doing nothing, so a few CUDA graphs cover every step: decode
-shapes are captured at start-up, others on first use (up to MAX_GRAPHS, then
-eagerly at the same padding). The hidden states and exit statistics carried
+rows and tokens doing nothing, so a few CUDA graphs cover every step (step_shape):
+decode steps by row count; steps that carry a prompt chunk by token count alone
+(at least PREFILL_MIN_ROWS rows, longest row = the token bucket). All are captured
+at start-up (up to MAX_GRAPHS; a shape beyond runs eagerly at the same padding), so
+no request waits for a capture. The hidden states and exit statistics carried
 between steps live in static buffers indexed by token.
 """
 
@@ -31,6 +33,30 @@ from .runner import RowSampling, StepResult, allocate_kv_cache, sample_exited
 logger = logging.getLogger("ouro_fast")
 
 MAX_GRAPHS = 48  # captured (rows, tokens, max_q_len) shapes; steps beyond run eagerly at the same padding
+# Rows of a step that carries a prompt chunk: padding rows cost an empty attention program and a
+# gate row each, and one row bucket keeps the prefill graphs to one per token bucket.
+PREFILL_MIN_ROWS = 64
+
+
+def step_shape(rows: int, tokens: int, max_len: int, max_rows: int, max_tokens: int) -> tuple[int, int, int]:
+    """The padded (rows, tokens, max_q_len) a step runs at: powers of two (capped by the buffers).
+    Decode steps (max_len 1) keep their row bucket; steps with a prompt chunk are padded to at
+    least PREFILL_MIN_ROWS rows and to a longest row of the whole token bucket."""
+    if max_len <= 1:
+        r_b = min(_pow2(rows), max_rows)
+        return r_b, min(max(_pow2(tokens), r_b), max_tokens), 1
+    r_b = min(max(_pow2(rows), PREFILL_MIN_ROWS), max_rows, max_tokens)
+    n_b = min(max(_pow2(tokens), r_b), max_tokens)
+    return r_b, n_b, n_b
+
+
+def prefill_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
+    """Every shape step_shape gives a step with a prompt chunk, fewest tokens first."""
+    # The buckets' representatives: powers of two, and the caps themselves.
+    rows = {1 << i for i in range(max_rows.bit_length())} | {max_rows}
+    toks = {1 << i for i in range(1, max_tokens.bit_length())} | {max_tokens}
+    shapes = {step_shape(r, t, 2, max_rows, max_tokens) for r in rows for t in toks if r <= t}
+    return sorted(shapes, key=lambda s: (s[1], s[0]))
 
 
 class _Staging:
@@ -177,49 +203,36 @@ class GpuModelRunner:
         self.h_prev[:tokens] = x
         self.ls_prev[a["store"][:rows]] = log_surv
 
-    def _shape(self, rows: int, tokens: int, max_len: int) -> tuple[int, int, int]:
-        """The padded (rows, tokens, max_q_len) of a step: powers of two, so few graphs cover all steps."""
-        r_b = _pow2(rows)
-        n_b = max(_pow2(tokens), r_b)
-        return min(r_b, self.max_rows), min(n_b, self.max_tokens), min(_pow2(max_len), n_b)
-
-    def _graph(self, shape: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
-        g = self.graphs.get(shape)
-        if g is None:
-            t0 = time.perf_counter()
-            # The warm-up runs the step for real and overwrites the carried state it reads: keep it,
-            # so that the replay below computes this step from the previous step's state, once.
-            carried = (self.h_prev.clone(), self.ls_prev.clone())
-            # Warm up (Triton compiles on first launch) outside the capture, on a side stream.
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._forward(*shape)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            self.h_prev.copy_(carried[0])
-            self.ls_prev.copy_(carried[1])
-            g = torch.cuda.CUDAGraph()
-            # One memory pool for all graphs: they never run at the same time.
-            with torch.cuda.graph(g, pool=self.pool):
-                self._forward(*shape)
-            self.graphs[shape] = g
-            # After start-up this is a pause every request in the batch sees: say how long it took.
-            logger.info("captured the step graph (rows, tokens, max_q_len)=%s in %.0f ms", shape,
-                        1000 * (time.perf_counter() - t0))  # fmt: skip
-        return g
+    def _capture(self, shape: tuple[int, int, int]) -> None:
+        # Warm up (Triton compiles on first launch) outside the capture, on a side stream. Only at
+        # start-up: the warm-up runs the step for real, over whatever the buffers hold.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(*shape)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        # One memory pool for all graphs: they never run at the same time.
+        with torch.cuda.graph(g, pool=self.pool):
+            self._forward(*shape)
+        self.graphs[shape] = g
 
     def capture(self, lanes: bool = True) -> None:
-        """Capture the decode graphs up front (start-up), so no request pays for those captures;
-        with `lanes`, the run-ahead lane graphs too."""
-        if self.use_graphs:
-            with torch.inference_mode():
-                b = 1
-                while b <= min(self.max_rows, self.max_tokens):
-                    self._graph((b, b, 1))
-                    b *= 2
-                self._compile_prefill_attention()
-            if lanes:
-                self.lanes.capture()
+        """Capture the step graphs up front (start-up): decode shapes, then the shapes of steps with
+        a prompt chunk, up to MAX_GRAPHS; with `lanes`, the run-ahead lane graphs too. Steps of a
+        shape not captured run eagerly: no request ever waits for a capture (30-80 ms each)."""
+        if not self.use_graphs:
+            return
+        t0 = time.perf_counter()
+        decode = [(b, b, 1) for b in (1 << i for i in range(16)) if b <= min(self.max_rows, self.max_tokens)]
+        with torch.inference_mode():
+            self._compile_prefill_attention()
+            for shape in (decode + prefill_shapes(self.max_rows, self.max_tokens))[:MAX_GRAPHS]:
+                self._capture(shape)
+        logger.info("captured %d step graphs in %.1f s: %s", len(self.graphs), time.perf_counter() - t0,
+                    sorted(self.graphs))  # fmt: skip
+        if lanes:
+            self.lanes.capture()
 
     def _compile_prefill_attention(self) -> None:
         """Compile the prefill attention kernel for every max_q_len bucket now: compiling one on
@@ -255,10 +268,11 @@ class GpuModelRunner:
         r, n = sched.num_rows, sched.num_step_tokens
         if sched.num_prop:
             self.propagate(sched)
-        shape = self._shape(r, n, int(sched.row_len[:r].max()))
+        shape = step_shape(r, n, int(sched.row_len[:r].max()), self.max_rows, self.max_tokens)
         self._fill(sched, tables, shape[0], shape[1])
-        if self.use_graphs and (shape in self.graphs or len(self.graphs) < MAX_GRAPHS):
-            self._graph(shape).replay()
+        graph = self.graphs.get(shape)
+        if graph is not None:
+            graph.replay()
         else:
             self._forward(*shape)
         loops = sched.row_loop[:r]

@@ -1,0 +1,32 @@
+"""The padded step shapes of the GPU runner: every step fits one, and few cover all (no GPU needed)."""
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+
+from ouro_fast.engine.gpu_runner import PREFILL_MIN_ROWS, prefill_shapes, step_shape  # noqa: E402
+
+
+@pytest.mark.parametrize("max_rows,max_tokens", [(64, 512), (64, 16), (8, 40), (48, 500), (256, 2048)])
+def test_every_prefill_step_fits_a_start_up_shape(max_rows, max_tokens):
+    shapes = set(prefill_shapes(max_rows, max_tokens))
+    for rows in range(1, min(max_rows, max_tokens) + 1):
+        for tokens in range(rows + 1, max_tokens + 1, 1 if max_tokens <= 64 else 7):
+            for max_len in {2, tokens - rows + 1}:
+                r, n, q = step_shape(rows, tokens, max_len, max_rows, max_tokens)
+                assert (r, n, q) in shapes, (rows, tokens, max_len)
+                assert rows <= r <= max_rows and tokens <= n <= max_tokens and max_len <= q <= n
+
+
+def test_prefill_shapes_are_one_per_token_bucket_by_default():
+    # The server's defaults (64 rows, 512 tokens): four prefill graphs.
+    assert prefill_shapes(64, 512) == [(64, 64, 64), (64, 128, 128), (64, 256, 256), (64, 512, 512)]
+    assert step_shape(1, 128, 128, 64, 512) == (PREFILL_MIN_ROWS, 128, 128)
+    assert len(prefill_shapes(256, 8192)) == 8 + 7 + 6  # 64, 128, 256 rows by 64 (128, 256) .. 8192 tokens
+
+
+def test_decode_steps_keep_their_row_bucket():
+    assert step_shape(3, 3, 1, 64, 512) == (4, 4, 1)
+    assert step_shape(1, 1, 1, 64, 512) == (1, 1, 1)
+    assert step_shape(64, 64, 1, 64, 512) == (64, 64, 1)
+    assert step_shape(5, 5, 1, 6, 512) == (6, 8, 1)
