@@ -263,3 +263,44 @@ def test_row_gate_errors():
     ones = torch.ones(2, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="FUSED_REDUCE"):
         skinny_linear(x, w, config=CONFIGS["dot-split3-pass"], row_gate=ones)
+
+
+def balanced(programs, block_n=16, block_k=64) -> dict:
+    return {**skinny_gemm.balanced_config(1, block_n, block_k, 4, 2), "PROGRAMS": programs}
+
+
+# One program (every tile whole), ranges that cut tiles at both ends, one unit a program, more
+# programs than units (capped); K = 200 has a short last chunk, K = 128 none.
+@pytest.mark.parametrize("programs", [1, 3, 7, 20, 50])
+@pytest.mark.parametrize("m,k", [(1, 200), (5, 128), (9, 200)])
+def test_balanced_fp32_matches_f_linear(programs, m, k):
+    x, w = randn(m, k, seed=31), randn(N, k, seed=32)
+    got = skinny_linear(x, w, config=balanced(programs))
+    torch.testing.assert_close(got, F.linear(x, w), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("programs", [3, 20])
+def test_balanced_bf16_is_one_rounding_deterministic_and_resets_counters(programs):
+    x, w = randn(6, K, dtype=torch.bfloat16, seed=33), randn(N, K, dtype=torch.bfloat16, seed=34)
+    got = skinny_linear(x, w, config=balanced(programs))
+    ref = F.linear(x.float(), w.float())
+    assert ((got.float() - ref).abs() <= bf16_bound(ref)).all()
+    assert torch.equal(got, skinny_linear(x, w, config=balanced(programs)))
+    assert all(int(buf.abs().sum()) == 0 for buf in skinny_gemm._COUNTERS[x.device])
+
+
+def test_balanced_with_fused_silu_mul():
+    x, w = randn(3, 2 * K, seed=35), randn(N, K, seed=36)
+    got = skinny_linear(x, w, config=balanced(7), silu_mul=True)
+    torch.testing.assert_close(got, F.linear(silu_and_mul(x), w), atol=2e-5, rtol=1e-5)
+
+
+def test_balanced_switch_keeps_gated_calls_on_the_split_kernel(monkeypatch):
+    monkeypatch.setattr(skinny_gemm, "BALANCED_ARGS", (2,))
+    assert skinny_config(N, K, 4)["BALANCED"] == 2
+    x, w = randn(4, K, seed=37), randn(N, K, seed=38)
+    torch.testing.assert_close(skinny_linear(x, w), F.linear(x, w), atol=2e-5, rtol=1e-5)
+    gate = torch.tensor([0, 1, 0, 0], dtype=torch.int32, device=DEV)
+    torch.testing.assert_close(skinny_linear(x, w, row_gate=gate), F.linear(x, w), atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="row_gate"):
+        skinny_linear(x, w, config=balanced(3), row_gate=gate)
