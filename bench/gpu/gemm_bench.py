@@ -103,9 +103,6 @@ def bench_skinny(x, ws, cfg, calls: int, replays: int, ref0, ref_last) -> dict:
 
 
 def cfg_str(c: dict) -> str:
-    if c.get("BALANCED"):
-        tile = f"n{c['BLOCK_N']} k{c['BLOCK_K']} w{c['num_warps']} st{c['num_stages']}"
-        return f"balanced x{c['BALANCED']}/SM {tile}"
     kind = "dot" if c["USE_DOT"] else "fma"
     red = "" if c["SPLIT_K"] == 1 else ("/fused" if c["FUSED_REDUCE"] else "/pass")
     return (
@@ -114,12 +111,7 @@ def cfg_str(c: dict) -> str:
 
 
 def run_shape(name: str, n: int, k: int, ms: list[int], args, deadline: float) -> list[dict]:
-    from ouro_fast.kernels.skinny_gemm import (
-        balanced_candidates,
-        candidate_configs,
-        default_config,
-        skinny_config,
-    )
+    from ouro_fast.kernels.skinny_gemm import candidate_configs, default_config
 
     dtype = getattr(torch, args.dtype)
     ws = weight_copies(n, k, dtype, args.calls)
@@ -133,10 +125,7 @@ def run_shape(name: str, n: int, k: int, ms: list[int], args, deadline: float) -
             [lambda i=i, x=x: F.linear(x, ws[i % ws.shape[0]]) for i in range(args.calls)], args.replays
         )
         del graph
-        if args.balanced:  # the config in use, then the balanced kernel's
-            cands = [skinny_config(n, k, m), *balanced_candidates()]
-        else:
-            cands = [default_config(n, k, m)] if args.quick else candidate_configs(n, k, m)
+        cands = [default_config(n, k, m)] if args.quick else candidate_configs(n, k, m)
         results = []
         for cfg in cands:
             if results and time.perf_counter() > deadline:  # the default config always runs
@@ -227,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=50, help="calls captured per CUDA graph")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="only the default config")
-    p.add_argument("--balanced", action="store_true", help="the config in use against the balanced kernel's")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop sweeping configs after this long")
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp", help="folder or .json file")
     args = p.parse_args(argv)

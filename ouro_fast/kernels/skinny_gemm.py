@@ -40,9 +40,6 @@ from .swiglu import silu_and_mul, silu_mul
 SKINNY_MAX_M = 16
 # Load each program's first weight chunk before the PDL wait (OURO_FAST_EARLY_WEIGHT=0: after, for A/B runs).
 EARLY_WEIGHT = os.environ.get("OURO_FAST_EARLY_WEIGHT", "1") != "0"
-# OURO_FAST_SKINNY_BALANCED="C[,BLOCK_N,BLOCK_K,warps,stages]" (unset = off): every skinny matmul runs
-# balanced_config with C programs per SM, for A/B runs of the balanced kernel in the decode chain.
-BALANCED_ARGS = tuple(int(v) for v in os.environ.get("OURO_FAST_SKINNY_BALANCED", "").split(",") if v.strip())
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
 _MIN_COUNTERS = 8192
 # The fastest config per (N, K, next_pow2(M)) of the Ouro-1.4B decode matmuls, measured in isolation on
@@ -267,74 +264,6 @@ def _skinny_kernel(
 
 
 @triton.jit
-def _first_unit(g, U, G):
-    # The first work unit of program g when U units are cut into G contiguous, equal-as-can-be ranges.
-    return (g * U) // G
-
-
-@triton.jit
-def _owner(u, U, G):
-    # The program whose range holds unit u: the largest g with _first_unit(g) <= u.
-    return ((u + 1) * G + U - 1) // U - 1
-
-
-# M is not specialised (see _skinny_kernel).
-@triton.jit(do_not_specialize=["M"])
-def _balanced_kernel(x_ptr, w_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, KC, U, stride_xm, stride_wn, stride_om,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                     SILU_MUL_OFF: tl.constexpr, INTERPRETED: tl.constexpr,
-                     USE_PDL: tl.constexpr):  # fmt: skip
-    # The weight as U = tiles x KC units of [BLOCK_N, BLOCK_K]; program g streams units [u0, u1) in
-    # order (so every program reads the same bytes, +-1 unit). A tile wholly inside one range is
-    # stored directly; a tile cut between programs has each one's fp32 partial summed by the last
-    # to arrive, in program order: the same bits whatever the scheduling.
-    g = tl.program_id(0)
-    G = tl.num_programs(0)
-    u0 = _first_unit(g, U, G)
-    u1 = _first_unit(g + 1, U, G)
-    t0 = u0 // KC
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_j = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_rows = tl.minimum(offs_m, M - 1)
-    for t in range(t0, (u1 - 1) // KC + 1):
-        k_start = (tl.maximum(u0, t * KC) - t * KC) * BLOCK_K
-        k_end = tl.minimum(K, (tl.minimum(u1, (t + 1) * KC) - t * KC) * BLOCK_K)
-        offs_n = t * BLOCK_N + offs_j
-        w_rows = (offs_n % N).to(tl.int64)
-        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
-        # The first chunk streams in before the wait (the weight is written by no kernel).
-        w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
-        if t == t0:
-            pdl_enter(USE_PDL)
-        x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
-        acc = _dot_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
-                           DOT_PRECISION, DOT_UPCAST, SILU_MUL_OFF, INTERPRETED)  # fmt: skip
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        o_ptrs = o_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        g_first = _owner(t * KC, U, G)
-        g_last = _owner((t + 1) * KC - 1, U, G)
-        if g_first == g_last:
-            tl.store(o_ptrs, round_to(acc, o_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-        else:
-            # Slot 0: the partial of a program's first tile; slot 1: of its last (when they differ).
-            tile = offs_m[:, None] * BLOCK_N + offs_j[None, :]
-            slot = (t != t0).to(tl.int32)
-            tl.store(ws_ptr + (2 * g + slot) * BLOCK_M * BLOCK_N + tile, acc, mask=mask)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
-            if arrived == g_last - g_first:
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for c in range(g_first, g_last + 1):
-                    c_slot = (_first_unit(c, U, G) // KC != t).to(tl.int32)
-                    part = ws_ptr + (2 * c + c_slot) * BLOCK_M * BLOCK_N + tile
-                    total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(o_ptrs, round_to(total, o_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-                tl.atomic_xchg(cnt_ptr + t, 0)
-
-
-@triton.jit
 def _split_reduce_kernel(ws_ptr, o_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                          INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     # Sums the SPLIT_K partials of one row in the same order as the fused reduction.
@@ -368,33 +297,8 @@ def default_config(n: int, k: int, m: int, num_sms: int = 132) -> dict:
     }
 
 
-def balanced_config(ctas_per_sm: int = 2, block_n: int = 64, block_k: int = 128, warps: int = 4,
-                    stages: int = 4) -> dict:  # fmt: skip
-    """The balanced kernel: the weight cut into equal contiguous shares, ctas_per_sm programs per SM."""
-    return {**_config(block_n, block_k, 1, True, True, warps, stages), "BALANCED": ctas_per_sm}
-
-
-def balanced_candidates() -> list[dict]:
-    """Balanced configs for the GPU benchmark: (programs per SM, tile, warps, stages) that fit 1-3 per SM."""
-    tiles = (
-        (2, 64, 128, 4, 4),
-        (1, 64, 128, 4, 4),
-        (3, 32, 256, 4, 3),
-        (2, 32, 256, 4, 4),
-        (1, 128, 128, 8, 4),
-    )
-    return [balanced_config(*t) for t in tiles]
-
-
 def skinny_config(n: int, k: int, m: int, num_sms: int = 132) -> dict:
-    """The config skinny_linear uses for w [n, k] and m rows: TUNED_CONFIGS, else default_config
-    (every shape balanced_config under OURO_FAST_SKINNY_BALANCED)."""
-    if BALANCED_ARGS:
-        return balanced_config(*BALANCED_ARGS)
-    return _split_config(n, k, m, num_sms)
-
-
-def _split_config(n: int, k: int, m: int, num_sms: int) -> dict:
+    """The config skinny_linear uses for w [n, k] and m rows: TUNED_CONFIGS, else default_config."""
     tuned = TUNED_CONFIGS.get((n, k, next_pow2(m)))
     return _config(*tuned) if tuned else default_config(n, k, m, num_sms)
 
@@ -479,11 +383,9 @@ def skinny_linear(
         return out
     if k == 0:
         return out.zero_()
-    # The balanced kernel reads no row gate: gated calls keep the split kernel.
-    pick = _split_config if row_gate is not None else skinny_config
-    cfg = config or pick(n, k, m, _num_sms(x.device))
-    if row_gate is not None and (cfg.get("BALANCED") or (cfg["SPLIT_K"] > 1 and not cfg["FUSED_REDUCE"])):
-        raise ValueError("row_gate needs the split kernel, SPLIT_K 1 or FUSED_REDUCE (others do not read it)")
+    cfg = config or skinny_config(n, k, m, _num_sms(x.device))
+    if row_gate is not None and cfg["SPLIT_K"] > 1 and not cfg["FUSED_REDUCE"]:
+        raise ValueError("row_gate needs SPLIT_K 1 or FUSED_REDUCE (a second pass would not see the gate)")
     _launch(x, w, out, cfg, k if silu_mul else 0, row_gate)
     return out
 
@@ -500,9 +402,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counters = _COUNTERS.get(x.device, n_tiles) if split > 1 and fused else out
     interp, pdl = interpreting(), pdl_launch(x.device, "skinny")
-    if cfg.get("BALANCED"):
-        _launch_balanced(x, w, out, cfg, silu_mul_off, interp, pdl)
-        return
     _skinny_kernel[(n_tiles, split)](
         x, w, out, ws, counters, out if gate is None else gate, m, n, k, k_per_split,
         x.stride(0), w.stride(0), out.stride(0),
@@ -518,25 +417,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
             ws, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, INTERPRETED=interp, num_warps=4, **pdl
         )
-
-
-def _launch_balanced(x, w, out, cfg: dict, silu_mul_off: int, interp: bool, pdl: dict) -> None:
-    m, (n, k) = x.shape[0], w.shape
-    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    block_m = max(16, next_pow2(m))
-    tiles, kc = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    # PROGRAMS (tests, benchmarks) overrides the grid; never more programs than units.
-    programs = min(cfg.get("PROGRAMS") or cfg["BALANCED"] * _num_sms(x.device), tiles * kc)
-    # Two fp32 partial tiles per program: of its first and of its last column tile.
-    ws = torch.empty(2 * programs * block_m * block_n, dtype=torch.float32, device=x.device)
-    counters = _COUNTERS.get(x.device, tiles)
-    _balanced_kernel[(programs,)](
-        x, w, out, ws, counters, m, n, k, kc, tiles * kc, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off, INTERPRETED=interp,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
-    )  # fmt: skip
 
 
 # Per device: the arrival counters (all zero between launches).
