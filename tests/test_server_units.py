@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -49,19 +48,6 @@ def test_config_from_env():
         ServerConfig.from_env({"OURO_FAST_MAX_WAITING": "many"})
     with pytest.raises(ConfigError, match="OURO_FAST_STREAM_BUFFER"):
         ServerConfig.from_env({"OURO_FAST_STREAM_BUFFER": "0"})
-    with pytest.raises(ConfigError, match="OURO_FAST_GIL_SWITCH_INTERVAL"):
-        ServerConfig.from_env({"OURO_FAST_GIL_SWITCH_INTERVAL": "0"})
-
-
-def test_gil_switch_interval_applied_only_when_set():
-    before = sys.getswitchinterval()
-    try:
-        ServerConfig.from_env({}).apply_process_settings()
-        assert sys.getswitchinterval() == before
-        ServerConfig.from_env({"OURO_FAST_GIL_SWITCH_INTERVAL": "0.0002"}).apply_process_settings()
-        assert sys.getswitchinterval() == pytest.approx(0.0002)
-    finally:
-        sys.setswitchinterval(before)
 
 
 def test_parse_faults():

@@ -73,7 +73,6 @@ async def start_engine(app: Sanic) -> None:
     if app.state.workers > 1:
         raise RuntimeError("ouro_fast serves from one Sanic worker (one engine per process): drop --workers")
     app.config.REQUEST_MAX_SIZE = config.max_body_bytes
-    config.apply_process_settings()
     app.config.RESPONSE_TIMEOUT = config.response_timeout
     if config.test_faults:
         logger.warning("TEST-ONLY fault injection is on (OURO_FAST_TEST_FAULTS=%s)", config.test_faults)

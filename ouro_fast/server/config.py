@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -48,9 +47,6 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
     ring_capacity: int = 4096
-    # Python's GIL switch interval in seconds (sys.setswitchinterval; None keeps the interpreter's 5 ms):
-    # how long the engine owner may wait for the GIL while the event loop runs Python code.
-    gil_switch_interval: float | None = None
     shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM before abort
     response_timeout: float = 3600.0  # Sanic's RESPONSE_TIMEOUT: silence allowed while queued
     log_level: str = "INFO"  # of the ouro_fast loggers
@@ -68,11 +64,6 @@ class ServerConfig:
     def max_in_flight(self) -> int:
         """Requests admitted at once (running + waiting): the engine scheduler's capacity."""
         return self.max_num_seqs + self.max_waiting
-
-    def apply_process_settings(self) -> None:
-        """Settings of the whole process, applied by the worker before the engine starts."""
-        if self.gil_switch_interval is not None:
-            sys.setswitchinterval(self.gil_switch_interval)
 
     def engine_options(self) -> dict:
         """Keyword arguments of ouro_fast.engine.engine.EngineConfig."""
@@ -109,8 +100,6 @@ class ServerConfig:
             raise ConfigError(f"{env_name('ring_capacity')} must be in [2, 2**30], got {self.ring_capacity}")
         if self.runner not in ("auto", "torch", "triton"):
             raise ConfigError(f"{env_name('runner')} must be auto, torch or triton, got {self.runner!r}")
-        if self.gil_switch_interval is not None and not 0 < self.gil_switch_interval <= 1:
-            raise ConfigError(f"{env_name('gil_switch_interval')} must be in (0, 1] seconds")
         if self.shutdown_grace < 0 or self.response_timeout <= 0:
             raise ConfigError(
                 f"{env_name('shutdown_grace')} must be >= 0 and {env_name('response_timeout')} > 0"
