@@ -4,7 +4,12 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from ouro_fast.engine.gpu_runner import PREFILL_MIN_ROWS, prefill_shapes, step_shape  # noqa: E402
+from ouro_fast.engine.gpu_runner import (  # noqa: E402
+    PREFILL_MIN_ROWS,
+    decode_shapes,
+    prefill_shapes,
+    step_shape,
+)
 
 
 @pytest.mark.parametrize("max_rows,max_tokens", [(64, 512), (64, 16), (8, 40), (48, 500), (256, 2048)])
@@ -23,6 +28,15 @@ def test_prefill_shapes_are_one_per_token_bucket_by_default():
     assert prefill_shapes(64, 512) == [(64, 64, 64), (64, 128, 128), (64, 256, 256), (64, 512, 512)]
     assert step_shape(1, 128, 128, 64, 512) == (PREFILL_MIN_ROWS, 128, 128)
     assert len(prefill_shapes(256, 8192)) == 8 + 7 + 6  # 64, 128, 256 rows by 64 (128, 256) .. 8192 tokens
+
+
+@pytest.mark.parametrize("max_rows,max_tokens", [(64, 512), (48, 500), (64, 16), (5, 40)])
+def test_every_decode_step_fits_a_start_up_shape(max_rows, max_tokens):
+    shapes = set(decode_shapes(max_rows, max_tokens))
+    for rows in range(1, min(max_rows, max_tokens) + 1):
+        r, n, q = step_shape(rows, rows, 1, max_rows, max_tokens)
+        assert (r, n, q) in shapes and rows <= r <= max_rows and rows <= n <= max_tokens and q == 1
+    assert decode_shapes(64, 512) == [(b, b, 1) for b in (1, 2, 4, 8, 16, 32, 64)]
 
 
 def test_decode_steps_keep_their_row_bucket():

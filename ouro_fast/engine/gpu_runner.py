@@ -50,13 +50,22 @@ def step_shape(rows: int, tokens: int, max_len: int, max_rows: int, max_tokens: 
     return r_b, n_b, n_b
 
 
+def decode_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
+    """Every shape step_shape gives a decode step (one token a row), fewest rows first."""
+    rows = _buckets(min(max_rows, max_tokens))
+    return sorted({step_shape(r, r, 1, max_rows, max_tokens) for r in rows})
+
+
 def prefill_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
     """Every shape step_shape gives a step with a prompt chunk, fewest tokens first."""
-    # The buckets' representatives: powers of two, and the caps themselves.
-    rows = {1 << i for i in range(max_rows.bit_length())} | {max_rows}
-    toks = {1 << i for i in range(1, max_tokens.bit_length())} | {max_tokens}
+    rows, toks = _buckets(max_rows), _buckets(max_tokens) - {1}
     shapes = {step_shape(r, t, 2, max_rows, max_tokens) for r in rows for t in toks if r <= t}
     return sorted(shapes, key=lambda s: (s[1], s[0]))
+
+
+def _buckets(cap: int) -> set[int]:
+    # A representative of every bucket up to cap: the powers of two below it, and cap itself.
+    return {1 << i for i in range(cap.bit_length()) if 1 << i < cap} | {cap}
 
 
 class _Staging:
@@ -224,10 +233,11 @@ class GpuModelRunner:
         if not self.use_graphs:
             return
         t0 = time.perf_counter()
-        decode = [(b, b, 1) for b in (1 << i for i in range(16)) if b <= min(self.max_rows, self.max_tokens)]
+        caps = (self.max_rows, self.max_tokens)
+        shapes = decode_shapes(*caps) + prefill_shapes(*caps)
         with torch.inference_mode():
             self._compile_prefill_attention()
-            for shape in (decode + prefill_shapes(self.max_rows, self.max_tokens))[:MAX_GRAPHS]:
+            for shape in shapes[:MAX_GRAPHS]:
                 self._capture(shape)
         logger.info("captured %d step graphs in %.1f s: %s", len(self.graphs), time.perf_counter() - t0,
                     sorted(self.graphs))  # fmt: skip
