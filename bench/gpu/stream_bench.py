@@ -6,11 +6,16 @@ streams buffers of those sizes and reports TB/s:
             as the launch-per-kernel loop does, but with no arithmetic;
   resident  one launch for all layers: a grid that stays resident, each CTA streaming a
             contiguous share of every matrix, with a grid barrier between matrices
-            (thread 0 polls an arrival counter), as a persistent loop would.
-Each CTA sums what it reads (fp32) so no load is optimised away. With --tma both modes
+            (thread 0 polls an arrival counter), as a persistent loop would;
+  continuous the resident launch without the barriers: a CTA done with its share of one
+            matrix starts on its share of the next, the bound for a dataflow-style
+            persistent loop whose weight loads never wait on dependencies.
+Each CTA sums what it reads (fp32) so no load is optimised away. With --tma all modes
 also run on tensor-memory-accelerator (TMA) block loads through tensor descriptors, which
 Triton pipelines as bulk asynchronous copies (Hopper), instead of per-thread pointer loads.
-Prints one JSON line per setting. Usage: python3 bench/gpu/stream_bench.py [--layers 24] [--tma]
+--continuous-only runs just the continuous mode, on pointer and TMA loads.
+Prints one JSON line per setting.
+Usage: python3 bench/gpu/stream_bench.py [--layers 24] [--tma | --tma-only] [--continuous-only]
 """
 
 from __future__ import annotations
@@ -78,21 +83,25 @@ def _stream_kernel(w_ptr, n, out_ptr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _resident_kernel(w0, w1, w2, w3, n0, n1, n2, n3, ls0, ls1, ls2, ls3, L, out_ptr, bar_ptr,
-                     BLOCK: tl.constexpr):  # fmt: skip
-    # ls0..ls3: each matrix's layer stride.
+                     BLOCK: tl.constexpr, SYNC: tl.constexpr):  # fmt: skip
+    # ls0..ls3: each matrix's layer stride. SYNC=False is the continuous mode: no barriers.
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     total = 0.0
     for layer in range(L):
-        lw = layer.to(tl.int64)
+        lw = tl.cast(layer, tl.int64)  # not layer.to: the interpreter's range gives Python ints
         total += _stream_share(w0 + lw * ls0, n0, pid, G, BLOCK)
-        _grid_sync(bar_ptr, (4 * layer + 1) * G)
+        if SYNC:
+            _grid_sync(bar_ptr, (4 * layer + 1) * G)
         total += _stream_share(w1 + lw * ls1, n1, pid, G, BLOCK)
-        _grid_sync(bar_ptr, (4 * layer + 2) * G)
+        if SYNC:
+            _grid_sync(bar_ptr, (4 * layer + 2) * G)
         total += _stream_share(w2 + lw * ls2, n2, pid, G, BLOCK)
-        _grid_sync(bar_ptr, (4 * layer + 3) * G)
+        if SYNC:
+            _grid_sync(bar_ptr, (4 * layer + 3) * G)
         total += _stream_share(w3 + lw * ls3, n3, pid, G, BLOCK)
-        _grid_sync(bar_ptr, (4 * layer + 4) * G)
+        if SYNC:
+            _grid_sync(bar_ptr, (4 * layer + 4) * G)
     tl.store(out_ptr + pid, total)
 
 
@@ -117,25 +126,29 @@ def _stream_tma_kernel(desc, row0, rows, out_ptr, BR: tl.constexpr, BC: tl.const
 
 @triton.jit
 def _resident_tma_kernel(d0, d1, d2, d3, r0, r1, r2, r3, L, out_ptr, bar_ptr, BR: tl.constexpr,
-                         BC: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    # r0..r3: each matrix's rows per layer (its descriptor spans all layers).
+                         BC: tl.constexpr, STAGES: tl.constexpr, SYNC: tl.constexpr):  # fmt: skip
+    # r0..r3: each matrix's rows per layer (its descriptor spans all layers). SYNC as above.
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     total = 0.0
     for layer in range(L):
         total += _tma_share(d0, layer * r0, r0, pid, G, BR, BC, STAGES)
-        _grid_sync(bar_ptr, (4 * layer + 1) * G)
+        if SYNC:
+            _grid_sync(bar_ptr, (4 * layer + 1) * G)
         total += _tma_share(d1, layer * r1, r1, pid, G, BR, BC, STAGES)
-        _grid_sync(bar_ptr, (4 * layer + 2) * G)
+        if SYNC:
+            _grid_sync(bar_ptr, (4 * layer + 2) * G)
         total += _tma_share(d2, layer * r2, r2, pid, G, BR, BC, STAGES)
-        _grid_sync(bar_ptr, (4 * layer + 3) * G)
+        if SYNC:
+            _grid_sync(bar_ptr, (4 * layer + 3) * G)
         total += _tma_share(d3, layer * r3, r3, pid, G, BR, BC, STAGES)
-        _grid_sync(bar_ptr, (4 * layer + 4) * G)
+        if SYNC:
+            _grid_sync(bar_ptr, (4 * layer + 4) * G)
     tl.store(out_ptr + pid, total)
 
 
-def run_tma(mats, sizes, layers: int, out, layer_bytes: int, sms: int) -> None:
-    """The two modes on TMA block loads: matrices viewed as [layers * n / BC, BC], blocks of BR rows."""
+def run_tma(mats, sizes, layers: int, out, layer_bytes: int, sms: int, modes) -> None:
+    """`modes` on TMA block loads: matrices viewed as [layers * n / BC, BC], blocks of BR rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
     bc = 256
@@ -154,14 +167,17 @@ def run_tma(mats, sizes, layers: int, out, layer_bytes: int, sms: int) -> None:
 
                 bar = torch.zeros(2, dtype=torch.int32, device="cuda")
 
-                def resident(br=br, descs=descs, stages=stages, grid=grid, bar=bar):
+                def resident(br=br, descs=descs, stages=stages, grid=grid, bar=bar, sync=True):
                     bar.zero_()
                     _resident_tma_kernel[(grid,)](*descs, *rows, layers, out, bar, BR=br, BC=bc,
-                                                  STAGES=stages, num_warps=4)  # fmt: skip
+                                                  STAGES=stages, SYNC=sync, num_warps=4)  # fmt: skip
 
-                for mode, fn in (("separate_tma", separate), ("resident_tma", resident)):
+                continuous = lambda resident=resident: resident(sync=False)
+                for mode, fn in (("separate", separate), ("resident", resident), ("continuous", continuous)):
+                    if mode not in modes:
+                        continue
                     ms = replay_ms(capture(fn), 20, warmup=0)
-                    row = {"mode": mode, "block": [br, bc], "stages": stages, "ctas_per_sm": ctas,
+                    row = {"mode": mode + "_tma", "block": [br, bc], "stages": stages, "ctas_per_sm": ctas,
                            "us_per_layer": round(1000 * ms / layers, 2),
                            "tb_s": round(layer_bytes * layers / ms / 1e9, 3)}  # fmt: skip
                     print(json.dumps(row), flush=True)
@@ -172,50 +188,57 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--tma", action="store_true", help="also the TMA (tensor descriptor) variants")
     ap.add_argument("--tma-only", action="store_true")
+    ap.add_argument("--continuous-only", action="store_true", help="continuous mode only, pointer and TMA")
     args = ap.parse_args()
+    modes = ("continuous",) if args.continuous_only else ("separate", "resident", "continuous")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     block_align = 16384
     sizes = [int(mb * 1e6 / 2) // block_align * block_align for mb in SIZES_MB]  # bf16 elements
     mats = [torch.randn(args.layers, n, device="cuda").to(torch.bfloat16) for n in sizes]
     layer_bytes = 2 * sum(sizes)
     out = torch.empty(sms * 16, device="cuda")
-    if args.tma or args.tma_only:
-        run_tma(mats, sizes, args.layers, out, layer_bytes, sms)
+    if args.tma or args.tma_only or args.continuous_only:
+        run_tma(mats, sizes, args.layers, out, layer_bytes, sms, modes)
     if args.tma_only:
         return
-    for block in (2048, 8192):
-        for warps in (4, 8):
-            for ctas in (2, 4, 8):
-                grid = sms * ctas
+    if "separate" in modes:
+        for block in (2048, 8192):
+            for warps in (4, 8):
+                for ctas in (2, 4, 8):
+                    grid = sms * ctas
 
-                def separate(block=block, warps=warps, grid=grid):
-                    for layer in range(args.layers):
-                        for m, n in zip(mats, sizes):
-                            _stream_kernel[(grid,)](m[layer], n, out, BLOCK=block, num_warps=warps,
-                                                    num_stages=3)  # fmt: skip
+                    def separate(block=block, warps=warps, grid=grid):
+                        for layer in range(args.layers):
+                            for m, n in zip(mats, sizes):
+                                _stream_kernel[(grid,)](m[layer], n, out, BLOCK=block, num_warps=warps,
+                                                        num_stages=3)  # fmt: skip
 
-                ms = replay_ms(capture(separate), 20, warmup=0)
-                row = {"mode": "separate", "block": block, "warps": warps, "ctas_per_sm": ctas,
-                       "us_per_layer": round(1000 * ms / args.layers, 2),
-                       "tb_s": round(layer_bytes * args.layers / ms / 1e9, 3)}  # fmt: skip
-                print(json.dumps(row), flush=True)
+                    ms = replay_ms(capture(separate), 20, warmup=0)
+                    row = {"mode": "separate", "block": block, "warps": warps, "ctas_per_sm": ctas,
+                           "us_per_layer": round(1000 * ms / args.layers, 2),
+                           "tb_s": round(layer_bytes * args.layers / ms / 1e9, 3)}  # fmt: skip
+                    print(json.dumps(row), flush=True)
     for block in (2048, 8192):
         for warps in (4, 8):
             for ctas in (1, 2, 4):
                 grid = sms * ctas  # resident together: these kernels use few registers and no shared memory
                 bar = torch.zeros(2, dtype=torch.int32, device="cuda")
 
-                def resident(block=block, warps=warps, grid=grid, bar=bar):
-                    bar.zero_()
-                    strides = (m.stride(0) for m in mats)
-                    _resident_kernel[(grid,)](*mats, *sizes, *strides, args.layers, out, bar, BLOCK=block,
-                                              num_warps=warps, num_stages=3)  # fmt: skip
+                for mode, sync in (("resident", True), ("continuous", False)):
+                    if mode not in modes:
+                        continue
 
-                ms = replay_ms(capture(resident), 20, warmup=0)
-                row = {"mode": "resident", "block": block, "warps": warps, "ctas_per_sm": ctas,
-                       "us_per_layer": round(1000 * ms / args.layers, 2),
-                       "tb_s": round(layer_bytes * args.layers / ms / 1e9, 3)}  # fmt: skip
-                print(json.dumps(row), flush=True)
+                    def resident(block=block, warps=warps, grid=grid, bar=bar, sync=sync):
+                        bar.zero_()
+                        strides = (m.stride(0) for m in mats)
+                        _resident_kernel[(grid,)](*mats, *sizes, *strides, args.layers, out, bar, BLOCK=block,
+                                                  SYNC=sync, num_warps=warps, num_stages=3)  # fmt: skip
+
+                    ms = replay_ms(capture(resident), 20, warmup=0)
+                    row = {"mode": mode, "block": block, "warps": warps, "ctas_per_sm": ctas,
+                           "us_per_layer": round(1000 * ms / args.layers, 2),
+                           "tb_s": round(layer_bytes * args.layers / ms / 1e9, 3)}  # fmt: skip
+                    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
