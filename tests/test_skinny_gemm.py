@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: pip install 'triton>=3.0')")
 
-from ouro_fast.kernels import add_rms_norm, pdl, silu_and_mul, skinny_gemm  # noqa: E402
+from ouro_fast.kernels import pdl, silu_and_mul, skinny_gemm  # noqa: E402
 from ouro_fast.kernels.pdl import pdl_enabled, pdl_launch  # noqa: E402
 from ouro_fast.kernels.skinny_gemm import (  # noqa: E402
     SKINNY_MAX_M,
@@ -19,7 +19,6 @@ from ouro_fast.kernels.skinny_gemm import (  # noqa: E402
     default_config,
     skinny_config,
     skinny_linear,
-    skinny_linear_add_norm,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -264,58 +263,3 @@ def test_row_gate_errors():
     ones = torch.ones(2, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="FUSED_REDUCE"):
         skinny_linear(x, w, config=CONFIGS["dot-split3-pass"], row_gate=ones)
-
-
-def norm_inputs(m: int, dtype, seed: int):
-    h = randn(m, N, dtype=dtype, seed=seed) * 2
-    w_a, w_next = randn(N, dtype=dtype, seed=seed + 1), randn(N, dtype=dtype, seed=seed + 2)
-    return h, w_a, w_next
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("m", [1, 3, 9])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_tail_equals_matmul_then_add_rms_norm(name, m, dtype, monkeypatch):
-    x, w = randn(m, K, dtype=dtype, seed=31), randn(N, K, dtype=dtype, seed=32)
-    h, w_a, w_next = norm_inputs(m, dtype, 33)
-    c = CONFIGS[name]
-    expect = add_rms_norm(h, skinny_linear(x, w, config={**c, "FUSED_REDUCE": True}), w_a, w_next, 1e-6)
-    # No separate norm launch: the kernel's last tile must do it (same rows, same summation order).
-    monkeypatch.setattr(skinny_gemm, "add_rms_norm", None)
-    got = skinny_linear_add_norm(x, w, h, w_a, w_next, 1e-6, config=c)
-    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
-    # The tiles' and the tail's counters are zero again for the next launch.
-    assert all(int(buf.abs().sum()) == 0 for buf in skinny_gemm._COUNTERS[x.device])
-
-
-@pytest.mark.parametrize("name", ["dot", "dot-split3-fused"])
-def test_norm_tail_with_the_silu_mul_prologue(name):
-    gu, w = randn(4, 2 * K, dtype=torch.bfloat16, seed=34) * 3, randn(N, K, dtype=torch.bfloat16, seed=35)
-    h, w_a, w_next = norm_inputs(4, torch.bfloat16, 36)
-    expect = add_rms_norm(h, skinny_linear(gu, w, config=CONFIGS[name], silu_mul=True), w_a, w_next, 1e-5)
-    got = skinny_linear_add_norm(gu, w, h, w_a, w_next, 1e-5, silu_mul=True, config=CONFIGS[name])
-    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
-
-
-def test_norm_tail_default_config_fallbacks_and_errors(monkeypatch):
-    x, w = randn(2, K, seed=37), randn(N, K, seed=38)
-    h, w_a, w_next = norm_inputs(2, torch.float32, 39)
-    expect = add_rms_norm(h, skinny_linear(x, w), w_a, w_next, 1e-6)
-    for got in (skinny_linear_add_norm(x, w, h, w_a, w_next, 1e-6),):
-        torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
-    with monkeypatch.context() as mp:  # switched off: the two launches
-        mp.setattr(skinny_gemm, "NORM_TAIL", False)
-        got = skinny_linear_add_norm(x, w, h, w_a, w_next, 1e-6)
-        assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
-    big, h_big, _, _ = randn(SKINNY_MAX_M + 1, K, seed=40), *norm_inputs(SKINNY_MAX_M + 1, torch.float32, 41)
-    got = skinny_linear_add_norm(big, w, h_big, w_a, w_next, 1e-6)  # cuBLAS, then the norm launch
-    expect = add_rms_norm(h_big, F.linear(big, w), w_a, w_next, 1e-6)
-    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
-    with pytest.raises(ValueError, match="need h"):
-        skinny_linear_add_norm(x, w, h[:1], w_a, w_next, 1e-6)
-    with pytest.raises(ValueError, match="need h"):
-        skinny_linear_add_norm(x, w, h, w_a[:-1], w_next, 1e-6)
-    with pytest.raises(ValueError, match="dtypes"):
-        skinny_linear_add_norm(x, w, h.to(torch.bfloat16), w_a, w_next, 1e-6)
-    with pytest.raises(ValueError, match="need x"):
-        skinny_linear_add_norm(x[:, :10], w, h, w_a, w_next, 1e-6)

@@ -48,27 +48,6 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def add_rms_row(h_ptr, a_ptr, w_a_ptr, w_next_ptr, h_out_ptr, x_out_ptr, eps, H: tl.constexpr,
-                BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, A_FROM_L2: tl.constexpr):  # fmt: skip
-    # One row (pointers at its start): h_new = h + RMS(a, w_a) and x = RMS(h_new, w_next).
-    # A_FROM_L2: `a` was written by other programs of the running kernel, so read it past L1.
-    offs = tl.arange(0, BLOCK)
-    mask = offs < H
-    dtype = h_out_ptr.dtype.element_ty
-    if A_FROM_L2:
-        a = tl.load(a_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w_a = tl.load(w_a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h_new = round_to(h + _rms(a, w_a, H, eps, dtype, INTERPRETED), dtype, INTERPRETED)
-    tl.store(h_out_ptr + offs, h_new, mask=mask)
-    w_next = tl.load(w_next_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x = _rms(h_new.to(tl.float32), w_next, H, eps, dtype, INTERPRETED)
-    tl.store(x_out_ptr + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _add_rms_norm_kernel(
     h_ptr,
     a_ptr,
@@ -87,10 +66,18 @@ def _add_rms_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    dtype = h_out_ptr.dtype.element_ty
     pdl_enter(USE_PDL)
-    add_rms_row(h_ptr + row * stride_h, a_ptr + row * stride_a, w_a_ptr, w_next_ptr,
-                h_out_ptr + row * stride_ho, x_out_ptr + row * stride_xo, eps, H, BLOCK, INTERPRETED,
-                False)  # fmt: skip
+    a = tl.load(a_ptr + row * stride_a + offs, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    w_a = tl.load(w_a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h_new = round_to(h + _rms(a, w_a, H, eps, dtype, INTERPRETED), dtype, INTERPRETED)
+    tl.store(h_out_ptr + row * stride_ho + offs, h_new, mask=mask)
+    w_next = tl.load(w_next_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = _rms(h_new.to(tl.float32), w_next, H, eps, dtype, INTERPRETED)
+    tl.store(x_out_ptr + row * stride_xo + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_rows(x: torch.Tensor, w: torch.Tensor, name: str) -> None:
@@ -110,7 +97,7 @@ def rms_norm(
         h = x.shape[1]
         _rms_norm_kernel[(x.shape[0],)](
             x, weight, out, eps, x.stride(0), out.stride(0),
-            H=h, BLOCK=next_pow2(h), INTERPRETED=interpreting(), num_warps=norm_warps(h),
+            H=h, BLOCK=next_pow2(h), INTERPRETED=interpreting(), num_warps=_warps(h),
             **pdl_launch(x.device, "norm"),
         )  # fmt: skip
     return out
@@ -143,12 +130,11 @@ def add_rms_norm(
         _add_rms_norm_kernel[(h.shape[0],)](
             h, a, weight_a, weight_next, h_out, x_out, eps,
             h.stride(0), a.stride(0), h_out.stride(0), x_out.stride(0),
-            H=n, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=norm_warps(n),
+            H=n, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=_warps(n),
             **pdl_launch(h.device, "norm"),
         )  # fmt: skip
     return h_out, x_out
 
 
-def norm_warps(h: int) -> int:
-    """The warps of the norm kernels for rows of h (a fused caller using as many sums in the same order)."""
+def _warps(h: int) -> int:
     return 4 if h <= 2048 else 8

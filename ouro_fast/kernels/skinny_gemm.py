@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from ._util import ArrivalCounters, check_float, check_same_dtype, interpreting, next_pow2
-from .norm import add_rms_norm, add_rms_row
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 from .swiglu import silu_and_mul, silu_mul
@@ -41,8 +40,6 @@ from .swiglu import silu_and_mul, silu_mul
 SKINNY_MAX_M = 16
 # Load each program's first weight chunk before the PDL wait (OURO_FAST_EARLY_WEIGHT=0: after, for A/B runs).
 EARLY_WEIGHT = os.environ.get("OURO_FAST_EARLY_WEIGHT", "1") != "0"
-# add_rms_norm after a matmul runs in its last tile (OURO_FAST_NORM_TAIL=0: its own launch, for A/B runs).
-NORM_TAIL = os.environ.get("OURO_FAST_NORM_TAIL", "1") != "0"
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
 _MIN_COUNTERS = 8192
 # The fastest config per (N, K, next_pow2(M)) of the Ouro-1.4B decode matmuls, measured in isolation on
@@ -189,12 +186,6 @@ def _skinny_kernel(
     ws_ptr,
     cnt_ptr,
     gate_ptr,
-    h_ptr,
-    w_a_ptr,
-    w_next_ptr,
-    h_out_ptr,
-    x_out_ptr,
-    eps,
     M,
     N,
     K,
@@ -202,9 +193,6 @@ def _skinny_kernel(
     stride_xm,
     stride_wn,
     stride_om,
-    stride_h,
-    stride_ho,
-    stride_xo,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -219,9 +207,6 @@ def _skinny_kernel(
     USE_PDL: tl.constexpr,
     EARLY_W: tl.constexpr,
     GATED: tl.constexpr,
-    NORM_TAIL: tl.constexpr,
-    NORM_H: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of every row, over K range pid_k.
     pid_n = tl.program_id(0)
@@ -261,10 +246,6 @@ def _skinny_kernel(
     o_ptrs = o_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
         tl.store(o_ptrs, round_to(acc, o_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-        if NORM_TAIL:
-            _norm_tail(cnt_ptr + tl.num_programs(0), tl.num_programs(0), o_ptr, h_ptr, w_a_ptr, w_next_ptr,
-                       h_out_ptr, x_out_ptr, eps, M, stride_om, stride_h, stride_ho, stride_xo, NORM_H,
-                       NORM_BLOCK, INTERPRETED)  # fmt: skip
     else:
         tile = offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=mask)
@@ -280,26 +261,6 @@ def _skinny_kernel(
                 tl.store(o_ptrs, round_to(total, o_ptr.dtype.element_ty, INTERPRETED), mask=mask)
                 # Ready for the next launch: every program of this tile has arrived.
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)
-                if NORM_TAIL:
-                    _norm_tail(cnt_ptr + tl.num_programs(0), tl.num_programs(0), o_ptr, h_ptr, w_a_ptr,
-                               w_next_ptr, h_out_ptr, x_out_ptr, eps, M, stride_om, stride_h, stride_ho,
-                               stride_xo, NORM_H, NORM_BLOCK, INTERPRETED)  # fmt: skip
-
-
-@triton.jit
-def _norm_tail(done_ptr, n_tiles, o_ptr, h_ptr, w_a_ptr, w_next_ptr, h_out_ptr, x_out_ptr, eps, M, stride_om,
-               stride_h, stride_ho, stride_xo, H: tl.constexpr, BLOCK: tl.constexpr,
-               INTERPRETED: tl.constexpr):  # fmt: skip
-    # Called once per finished column tile; the last tile's program holds whole output rows, so it
-    # runs add_rms_norm on them, in place of a launch of its own.
-    tl.debug_barrier()
-    done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == n_tiles - 1:
-        for r in range(M):
-            add_rms_row(h_ptr + r * stride_h, o_ptr + r * stride_om, w_a_ptr, w_next_ptr,
-                        h_out_ptr + r * stride_ho, x_out_ptr + r * stride_xo, eps, H, BLOCK, INTERPRETED,
-                        True)  # fmt: skip
-        tl.atomic_xchg(done_ptr, 0)
 
 
 @triton.jit
@@ -397,8 +358,14 @@ def skinny_linear(
     every entry is 0 the launch reads no weight and `out` is left as it was, else it is
     computed for every row; so a captured launch can skip work no row needs.
     """
-    _check_x_w(x, w, silu_mul)
-    m, (n, k) = x.shape[0], w.shape
+    check_float("x", x)
+    check_float("w", w)
+    check_same_dtype(x=x, w=w)
+    k_in = 2 * w.shape[-1] if silu_mul else w.shape[-1]
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != k_in:
+        raise ValueError(f"need x [M, {k_in}] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    m, k = x.shape[0], w.shape[1]
+    n = w.shape[0]
     if out is not None:
         check_float("out", out)
         check_same_dtype(x=x, out=out)
@@ -423,18 +390,8 @@ def skinny_linear(
     return out
 
 
-def _check_x_w(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> None:
-    check_float("x", x)
-    check_float("w", w)
-    check_same_dtype(x=x, w=w)
-    k_in = 2 * w.shape[-1] if silu_mul else w.shape[-1]
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != k_in:
-        raise ValueError(f"need x [M, {k_in}] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-
-
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu_mul_off: int,
-            gate: torch.Tensor | None, tail: tuple | None = None) -> None:  # fmt: skip
-    # tail: (h, w_a, w_next, h_out, x_out, eps) of the add_rms_norm run by the last column tile.
+            gate: torch.Tensor | None) -> None:  # fmt: skip
     m, (n, k) = x.shape[0], w.shape
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot, fused = cfg["USE_DOT"], cfg["FUSED_REDUCE"]
@@ -443,20 +400,16 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     n_tiles = triton.cdiv(n, block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    # The norm tail counts finished tiles in the slot after the tiles' own counters.
-    counters = _COUNTERS.get(x.device, n_tiles + 1) if (split > 1 and fused) or tail else out
-    h, w_a, w_next, h_out, x_out, eps = tail or (out, out, out, out, out, 0.0)
+    counters = _COUNTERS.get(x.device, n_tiles) if split > 1 and fused else out
     interp, pdl = interpreting(), pdl_launch(x.device, "skinny")
     _skinny_kernel[(n_tiles, split)](
-        x, w, out, ws, counters, out if gate is None else gate, h, w_a, w_next, h_out, x_out, eps,
-        m, n, k, k_per_split, x.stride(0), w.stride(0), out.stride(0), h.stride(0), h_out.stride(0),
-        x_out.stride(0),
+        x, w, out, ws, counters, out if gate is None else gate, m, n, k, k_per_split,
+        x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, FUSED_REDUCE=fused,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
-        INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, GATED=gate is not None, NORM_TAIL=tail is not None,
-        NORM_H=n if tail else 1, NORM_BLOCK=next_pow2(n) if tail else 1,
+        INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, GATED=gate is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
     if split > 1 and not fused:
@@ -464,44 +417,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
             ws, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, INTERPRETED=interp, num_warps=4, **pdl
         )
-
-
-def skinny_linear_add_norm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    h: torch.Tensor,
-    weight_a: torch.Tensor,
-    weight_next: torch.Tensor,
-    eps: float,
-    silu_mul: bool = False,
-    config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm(h, skinny_linear(x, w, silu_mul=...), weight_a, weight_next, eps), mostly in one launch.
-
-    Returns (h_new, x_next) as add_rms_norm does. Up to SKINNY_MAX_M rows (or with an explicit
-    config) the program that finishes the last column tile runs the norm on the whole rows,
-    which saves a dependent launch per call; the result equals the two launches bit for bit
-    when the config has norm_warps(N) warps (the same summation order). Else, or with
-    OURO_FAST_NORM_TAIL=0, it is the two launches. A split config always reduces in-kernel here.
-    """
-    m, n = x.shape[0], w.shape[0]
-    if not NORM_TAIL or (m > SKINNY_MAX_M and config is None) or m == 0 or x.shape[1] == 0:
-        a = skinny_linear(x, w, config=config, silu_mul=silu_mul)
-        return add_rms_norm(h, a, weight_a, weight_next, eps)
-    _check_x_w(x, w, silu_mul)
-    for name, t in (("h", h), ("weight_a", weight_a), ("weight_next", weight_next)):
-        check_float(name, t)
-        check_same_dtype(x=x, **{name: t})
-    if h.shape != (m, n) or weight_a.shape != (n,) or weight_next.shape != (n,):
-        raise ValueError(
-            f"need h [{m}, {n}] and weights [{n}], got {tuple(h.shape)}, {tuple(weight_a.shape)}, "
-            f"{tuple(weight_next.shape)}"
-        )
-    cfg = {**(config or skinny_config(n, w.shape[1], m, _num_sms(x.device))), "FUSED_REDUCE": True}
-    a = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    h_out, x_out = torch.empty_like(a), torch.empty_like(a)
-    _launch(x, w, a, cfg, w.shape[1] if silu_mul else 0, None, (h, weight_a, weight_next, h_out, x_out, eps))
-    return h_out, x_out
 
 
 # Per device: the arrival counters (all zero between launches).

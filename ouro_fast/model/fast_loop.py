@@ -3,21 +3,19 @@
 Needs a fused model (OuroForCausalLM.fuse(): one qkv and one gate_up matmul per
 layer) and an attention backend that applies RoPE (TritonPagedAttention with
 rope_theta). Per layer: qkv matmul, attention (decode: one launch that also
-applies RoPE and writes K/V; prefill: RoPE + K/V write, then attention), o_proj
-with the fused add + two RMSNorms, gate_up matmul, SiLU-and-mul fused into the
-down matmul with the fused add + RMSNorm (of the next layer's input, or the final
-norm after the last layer). Up to 16 tokens the matmuls are the skinny Triton
-kernel (so on Hopper every kernel of the loop is a PDL launch) and each add +
-norm runs in the last tile of its matmul: five launches per layer. Beyond 16
-tokens, cuBLAS and separate norm launches.
+applies RoPE and writes K/V; prefill: RoPE + K/V write, then attention), o_proj,
+fused add + two RMSNorms, gate_up matmul, SiLU-and-mul fused into the down
+matmul, fused add + RMSNorm (of the next layer's input, or the final norm after
+the last layer). Up to 16 tokens the matmuls are the skinny Triton kernel (so on
+Hopper every kernel of the loop is a PDL launch); beyond, cuBLAS.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import rms_norm
-from ..kernels.skinny_gemm import skinny_linear, skinny_linear_add_norm
+from ..kernels import add_rms_norm, rms_norm
+from ..kernels.skinny_gemm import skinny_linear
 from .ouro import OuroForCausalLM
 
 
@@ -31,10 +29,9 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
         sa, mlp = layer.self_attn, layer.mlp
         q, k, v = skinny_linear(x, sa.qkv_weight).split((hq * d, hkv * d, hkv * d), dim=-1)
         o = attn(i, q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)).reshape(n, hq * d)
-        w_a, w_m = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
-        h, m = skinny_linear_add_norm(o, sa.o_proj.weight, h, w_a, w_m, eps)
-        gu = skinny_linear(m, mlp.gate_up_weight)
+        a = skinny_linear(o, sa.o_proj.weight)
+        h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
+        out = skinny_linear(skinny_linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
-        w_b = layer.post_attention_layernorm_2.weight
-        h, x = skinny_linear_add_norm(gu, mlp.down_proj.weight, h, w_b, w_next, eps, silu_mul=True)
+        h, x = add_rms_norm(h, out, layer.post_attention_layernorm_2.weight, w_next, eps)
     return x
