@@ -42,6 +42,9 @@ SKINNY_MAX_M = 16
 EARLY_WEIGHT = os.environ.get("OURO_FAST_EARLY_WEIGHT", "1") != "0"
 # How many BLOCK_K chunks that first load spans (the tl.dot kernel; OURO_FAST_EARLY_CHUNKS, for A/B runs).
 EARLY_CHUNKS = int(os.environ.get("OURO_FAST_EARLY_CHUNKS", "1"))
+# A cap on every config's pipeline stages (0: none): fewer stages, less shared memory, so more CTAs of
+# consecutive kernels fit on an SM together (OURO_FAST_SKINNY_MAX_STAGES, for A/B runs).
+MAX_STAGES = int(os.environ.get("OURO_FAST_SKINNY_MAX_STAGES", "0"))
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
 _MIN_COUNTERS = 8192
 # The fastest config per (N, K, next_pow2(M)) of the Ouro-1.4B decode matmuls, measured in isolation on
@@ -454,7 +457,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
         DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
         INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, FIRST_K=block_k * (EARLY_CHUNKS if use_dot else 1),
         GATED=gate is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
+        num_warps=cfg["num_warps"], num_stages=min(cfg["num_stages"], MAX_STAGES or cfg["num_stages"]), **pdl,
     )  # fmt: skip
     if split > 1 and not fused:
         block = min(1024, next_pow2(n))
