@@ -3,7 +3,8 @@
 The benchmark's TB/s figures are bytes / time: they hold only if each CTA's share
 covers the buffer without gaps or overlaps. Checked under the Triton interpreter
 on the CPU (the resident kernels' barriers need a GPU; they call the same shares).
-The continuous mode is the resident kernels with SYNC=False, run whole here.
+The continuous mode is the resident kernels with SYNC=False, run whole here; so is the prefetch kernel,
+with shares both longer and shorter than its PREF prefetched blocks.
 """
 
 import os
@@ -70,4 +71,19 @@ def test_continuous_tma_kernel_reads_every_layer_once(grid):
     out, bar = torch.zeros(grid, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV)
     stream_bench._resident_tma_kernel[(grid,)](*descs, *rows, layers, out, bar, BR=br, BC=bc, STAGES=2,
                                                SYNC=False)  # fmt: skip
+    assert out.sum().item() == pytest.approx(sum(m.float().sum().item() for m in mats), abs=1e-2)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("pref", [1, 2, 4])
+@pytest.mark.parametrize("grid", [1, 3, 7])
+def test_prefetch_kernel_reads_every_layer_once(grid, pref, split):
+    # Shares of 0..5 blocks: at grid 7 every share is shorter than 2 blocks, at grid 1 some are longer than 4.
+    layers, block = 3, 1024
+    ns = [n * block for n in (3, 1, 5, 2)]
+    mats = _layered(layers, ns, grid)
+    out, bar = torch.zeros(grid, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV)
+    strides = [m.stride(0) for m in mats]
+    stream_bench._prefetch_kernel[(grid,)](*mats, *ns, *strides, layers, out, bar, BLOCK=block, PREF=pref,
+                                           SYNC=False, SPLIT=split)  # fmt: skip
     assert out.sum().item() == pytest.approx(sum(m.float().sum().item() for m in mats), abs=1e-2)

@@ -9,18 +9,26 @@ streams buffers of those sizes and reports TB/s:
             (thread 0 polls an arrival counter), as a persistent loop would;
   continuous the resident launch without the barriers: a CTA done with its share of one
             matrix starts on its share of the next, the bound for a dataflow-style
-            persistent loop whose weight loads never wait on dependencies.
+            persistent loop whose weight loads never wait on dependencies;
+  prefetch  the resident launch, but at each barrier every CTA first issues plain loads of the first
+            PREF blocks of its share of the next matrix (held in registers), so HBM has them in flight
+            while it waits: does that hide the barrier? prefetch_split issues them after the CTA's
+            arrival, before its poll: the arrival's release fence could wait for loads issued before it.
+            Settings whose CTAs cannot all be resident at once (registers) are skipped: they would hang.
 Each CTA sums what it reads (fp32) so no load is optimised away. With --tma all modes
 also run on tensor-memory-accelerator (TMA) block loads through tensor descriptors, which
 Triton pipelines as bulk asynchronous copies (Hopper), instead of per-thread pointer loads.
---continuous-only runs just the continuous mode, on pointer and TMA loads.
+--continuous-only runs just the continuous mode, on pointer and TMA loads; --prefetch-only just the
+prefetch modes (pointer loads only: a TMA load is waited on right after issue, before the barrier).
 Prints one JSON line per setting.
 Usage: python3 bench/gpu/stream_bench.py [--layers 24] [--tma | --tma-only] [--continuous-only]
+       [--prefetch-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -36,10 +44,15 @@ SIZES_MB = (25.2, 8.4, 46.1, 23.1)  # qkv, o_proj, gate_up, down of one layer
 
 
 @triton.jit
-def _grid_sync(bar_ptr, target):
-    # All CTAs' arrivals counted (count >= target) before any goes on; thread 0 alone polls.
+def _grid_arrive(bar_ptr):
+    # This CTA's arrival, released after its threads' earlier writes; apart from _grid_wait for prefetch.
     tl.debug_barrier()
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _grid_wait(bar_ptr, target):
+    # All CTAs' arrivals counted (count >= target) before any goes on; thread 0 alone polls.
     tl.inline_asm_elementwise(
         asm="""{
         .reg .pred pnz, pwait;
@@ -61,6 +74,12 @@ def _grid_sync(bar_ptr, target):
         pack=1,
     )
     tl.debug_barrier()
+
+
+@triton.jit
+def _grid_sync(bar_ptr, target):
+    _grid_arrive(bar_ptr)
+    _grid_wait(bar_ptr, target)
 
 
 @triton.jit
@@ -102,6 +121,71 @@ def _resident_kernel(w0, w1, w2, w3, n0, n1, n2, n3, ls0, ls1, ls2, ls3, L, out_
         total += _stream_share(w3 + lw * ls3, n3, pid, G, BLOCK)
         if SYNC:
             _grid_sync(bar_ptr, (4 * layer + 4) * G)
+    tl.store(out_ptr + pid, total)
+
+
+@triton.jit
+def _share_head(w_ptr, n, pid, G, BLOCK: tl.constexpr, PREF: tl.constexpr):
+    # The first PREF blocks of CTA pid's share of w[0:n] as one [PREF, BLOCK] load, zeros past the share.
+    blocks = n // BLOCK
+    lo = (pid * blocks) // G
+    hi = ((pid + 1) * blocks) // G
+    b = lo + tl.arange(0, PREF)
+    offs = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return tl.load(w_ptr + offs, mask=(b < hi)[:, None], other=0.0)
+
+
+@triton.jit
+def _stream_rest(w_ptr, n, pid, G, head, BLOCK: tl.constexpr, PREF: tl.constexpr):
+    # _stream_share with its first PREF blocks already in head (loaded by _share_head).
+    blocks = n // BLOCK
+    lo = (pid * blocks) // G
+    hi = ((pid + 1) * blocks) // G
+    acc = tl.sum(head.to(tl.float32), axis=0)  # its loads waited on here, or earlier if ptxas hoists this
+    for b in range(lo + PREF, hi):
+        acc += tl.load(w_ptr + b * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+    return tl.sum(acc)
+
+
+@triton.jit
+def _head_sync(w_ptr, n, pid, G, live, bar_ptr, target, BLOCK: tl.constexpr, PREF: tl.constexpr,
+               SYNC: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    # The barrier, with the loads of w's first share blocks issued before it (SPLIT: after the arrival, whose
+    # release fence would wait for them, before the poll). Zeros if not live (no next matrix).
+    if SYNC and SPLIT:
+        _grid_arrive(bar_ptr)
+    head = tl.zeros([PREF, BLOCK], w_ptr.dtype.element_ty)
+    if live:
+        head = _share_head(w_ptr, n, pid, G, BLOCK, PREF)
+    if SYNC and SPLIT:
+        _grid_wait(bar_ptr, target)
+    elif SYNC:
+        _grid_sync(bar_ptr, target)
+    return head
+
+
+@triton.jit
+def _prefetch_kernel(w0, w1, w2, w3, n0, n1, n2, n3, ls0, ls1, ls2, ls3, L, out_ptr, bar_ptr,
+                     BLOCK: tl.constexpr, PREF: tl.constexpr, SYNC: tl.constexpr,
+                     SPLIT: tl.constexpr):  # fmt: skip
+    # The resident kernel, but each CTA issues the loads of its next share's first PREF blocks before each
+    # barrier's poll, so HBM has them in flight while it waits. SYNC=False only for the interpreter tests.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    total = 0.0
+    head = _share_head(w0, n0, pid, G, BLOCK, PREF)
+    for layer in range(L):
+        lw = tl.cast(layer, tl.int64)
+        t = 4 * layer * G
+        total += _stream_rest(w0 + lw * ls0, n0, pid, G, head, BLOCK, PREF)
+        head = _head_sync(w1 + lw * ls1, n1, pid, G, True, bar_ptr, t + G, BLOCK, PREF, SYNC, SPLIT)
+        total += _stream_rest(w1 + lw * ls1, n1, pid, G, head, BLOCK, PREF)
+        head = _head_sync(w2 + lw * ls2, n2, pid, G, True, bar_ptr, t + 2 * G, BLOCK, PREF, SYNC, SPLIT)
+        total += _stream_rest(w2 + lw * ls2, n2, pid, G, head, BLOCK, PREF)
+        head = _head_sync(w3 + lw * ls3, n3, pid, G, True, bar_ptr, t + 3 * G, BLOCK, PREF, SYNC, SPLIT)
+        total += _stream_rest(w3 + lw * ls3, n3, pid, G, head, BLOCK, PREF)
+        nxt = w0 + (lw + 1) * ls0  # the next layer's; none after the last
+        head = _head_sync(nxt, n0, pid, G, layer + 1 < L, bar_ptr, t + 4 * G, BLOCK, PREF, SYNC, SPLIT)
     tl.store(out_ptr + pid, total)
 
 
@@ -183,12 +267,43 @@ def run_tma(mats, sizes, layers: int, out, layer_bytes: int, sms: int, modes) ->
                     print(json.dumps(row), flush=True)
 
 
+def run_prefetch(mats, sizes, layers: int, out, layer_bytes: int, sms: int) -> None:
+    """The prefetch modes on pointer loads, skipping settings whose CTAs cannot all be resident (hang)."""
+    bar = torch.zeros(2, dtype=torch.int32, device="cuda")
+    modes = (("prefetch", False), ("prefetch_split", True))
+    settings = itertools.product((2048, 8192), (4, 8), (1, 2, 4), (2, 4), modes)
+    for block, warps, pref, ctas, (mode, split) in settings:
+
+        def launch(block=block, warps=warps, pref=pref, grid=sms * ctas, split=split):
+            strides = (m.stride(0) for m in mats)
+            return _prefetch_kernel[(grid,)](*mats, *sizes, *strides, layers, out, bar, BLOCK=block,
+                                             PREF=pref, SYNC=True, SPLIT=split, num_warps=warps,
+                                             num_stages=3)  # fmt: skip
+
+        bar.fill_(1 << 30)  # every poll passes at once: compiles, and cannot hang
+        regs = launch().n_regs
+        row = {"mode": mode, "block": block, "warps": warps, "pref": pref, "ctas_per_sm": ctas, "regs": regs}
+        if -(-regs // 8) * 8 * 32 * warps * ctas > 65536:  # registers are allocated per warp, by 8s
+            print(json.dumps({**row, "skipped": "not all CTAs resident"}), flush=True)
+            continue
+
+        def resident(launch=launch):
+            bar.zero_()
+            launch()
+
+        ms = replay_ms(capture(resident), 20, warmup=0)
+        row |= {"us_per_layer": round(1000 * ms / layers, 2),
+                "tb_s": round(layer_bytes * layers / ms / 1e9, 3)}  # fmt: skip
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--tma", action="store_true", help="also the TMA (tensor descriptor) variants")
     ap.add_argument("--tma-only", action="store_true")
     ap.add_argument("--continuous-only", action="store_true", help="continuous mode only, pointer and TMA")
+    ap.add_argument("--prefetch-only", action="store_true", help="the prefetch modes only")
     args = ap.parse_args()
     modes = ("continuous",) if args.continuous_only else ("separate", "resident", "continuous")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -197,6 +312,9 @@ def main() -> None:
     mats = [torch.randn(args.layers, n, device="cuda").to(torch.bfloat16) for n in sizes]
     layer_bytes = 2 * sum(sizes)
     out = torch.empty(sms * 16, device="cuda")
+    if args.prefetch_only:
+        run_prefetch(mats, sizes, args.layers, out, layer_bytes, sms)
+        return
     if args.tma or args.tma_only or args.continuous_only:
         run_tma(mats, sizes, args.layers, out, layer_bytes, sms, modes)
     if args.tma_only:
@@ -239,6 +357,8 @@ def main() -> None:
                            "us_per_layer": round(1000 * ms / args.layers, 2),
                            "tb_s": round(layer_bytes * args.layers / ms / 1e9, 3)}  # fmt: skip
                     print(json.dumps(row), flush=True)
+    if "resident" in modes:
+        run_prefetch(mats, sizes, args.layers, out, layer_bytes, sms)
 
 
 if __name__ == "__main__":
