@@ -263,19 +263,3 @@ def test_row_gate_errors():
     ones = torch.ones(2, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="FUSED_REDUCE"):
         skinny_linear(x, w, config=CONFIGS["dot-split3-pass"], row_gate=ones)
-
-
-@pytest.mark.parametrize("chunks", [2, 4])
-@pytest.mark.parametrize("name", ["dot", "dot-split3-fused", "fma"])
-def test_first_load_spanning_several_chunks(chunks, name, monkeypatch):
-    # The first load before the PDL wait may span several BLOCK_K chunks (the tl.dot kernel; the CUDA-core
-    # one keeps one): ragged K (200), whole chunks (K = 256) and K ranges shorter than the first load.
-    monkeypatch.setattr(skinny_gemm, "EARLY_CHUNKS", chunks)
-    for k, seed in ((K, 41), (256, 43)):
-        x, w = randn(5, k, seed=seed), randn(N, k, seed=seed + 1)
-        got = skinny_linear(x, w, config=CONFIGS[name])
-        torch.testing.assert_close(got, F.linear(x, w), atol=2e-5, rtol=1e-5)
-        gu = randn(3, 2 * k, dtype=torch.bfloat16, seed=seed + 2)
-        wb = w.to(torch.bfloat16)
-        fused = skinny_linear(gu, wb, config=CONFIGS[name], silu_mul=True)
-        assert torch.equal(fused, skinny_linear(silu_and_mul(gu), wb, config=CONFIGS[name]))

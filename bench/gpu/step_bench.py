@@ -7,9 +7,6 @@ count. Environment switches (OURO_FAST_PDL, OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY
 OURO_FAST_FUSED_DECODE) are read at import: run one process per setting, e.g.
 
     for v in "" skinny norm; do OURO_FAST_PDL_PLAIN=$v python3 bench/gpu/step_bench.py --tag "$v"; done
-
-The skinny GEMM's launch-time settings (EARLY_CHUNKS, MAX_STAGES) can be swept in one process
-(one model build): `--sweep EARLY_CHUNKS=2 EARLY_CHUNKS=4,MAX_STAGES=3` prints a line for each.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from ouro_fast.kernels import skinny_gemm
 from ouro_fast.model.checkpoints import PRESETS
 from ouro_fast.model.fast_loop import run_loop_fused
 from ouro_fast.model.ouro import OuroForCausalLM
@@ -57,32 +53,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--tag", default="")
-    ap.add_argument("--sweep", nargs="+", default=[""], help="skinny_gemm settings per run: NAME=N[,NAME=N]")
     args = ap.parse_args()
     model = build(args.preset)
+    cfg, page, max_blocks = model.config, 16, 64
     weights = sum(
         t.numel() * t.element_size()
         for layer in model.model.layers
         for t in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
                   layer.mlp.down_proj.weight)
     )  # fmt: skip
-    defaults = {name: getattr(skinny_gemm, name) for name in ("EARLY_CHUNKS", "MAX_STAGES")}
-    for spec in args.sweep:
-        pairs = (kv.split("=") for kv in spec.split(",") if kv)
-        settings = {**defaults, **{name: int(value) for name, value in pairs}}
-        if settings.keys() != defaults.keys():
-            raise SystemExit(f"--sweep {spec!r}: the settings are {sorted(defaults)}")
-        for name, value in settings.items():
-            setattr(skinny_gemm, name, value)  # read by every launch, so the next capture uses it
-        tag = f"{args.tag} {spec}".strip()
-        out = {"tag": tag, "context": args.context, "floor_ms_4.8TBs": round(weights / 4.8e9, 4), **settings}
-        out.update(time_rows(model, args))
-        print(json.dumps(out), flush=True)
-
-
-def time_rows(model: OuroForCausalLM, args) -> dict:
-    """Milliseconds per captured loop at each of args.rows."""
-    cfg, page, max_blocks, out = model.config, 16, 64, {}
+    out = {"tag": args.tag, "context": args.context, "floor_ms_4.8TBs": round(weights / 4.8e9, 4)}
     for rows in args.rows:
         shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
         cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
@@ -92,7 +72,7 @@ def time_rows(model: OuroForCausalLM, args) -> dict:
         with torch.inference_mode():
             step = lambda h=h, attn=attn: run_loop_fused(model, h, attn)  # noqa: E731
             out[f"rows_{rows}_ms"] = round(replay_ms(capture(step), args.replays, warmup=1), 4)
-    return out
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

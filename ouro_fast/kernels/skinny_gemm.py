@@ -40,11 +40,6 @@ from .swiglu import silu_and_mul, silu_mul
 SKINNY_MAX_M = 16
 # Load each program's first weight chunk before the PDL wait (OURO_FAST_EARLY_WEIGHT=0: after, for A/B runs).
 EARLY_WEIGHT = os.environ.get("OURO_FAST_EARLY_WEIGHT", "1") != "0"
-# How many BLOCK_K chunks that first load spans (the tl.dot kernel; OURO_FAST_EARLY_CHUNKS, for A/B runs).
-EARLY_CHUNKS = int(os.environ.get("OURO_FAST_EARLY_CHUNKS", "1"))
-# A cap on every config's pipeline stages (0: none): fewer stages, less shared memory, so more CTAs of
-# consecutive kernels fit on an SM together (OURO_FAST_SKINNY_MAX_STAGES, for A/B runs).
-MAX_STAGES = int(os.environ.get("OURO_FAST_SKINNY_MAX_STAGES", "0"))
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
 _MIN_COUNTERS = 8192
 # The fastest config per (N, K, next_pow2(M)) of the Ouro-1.4B decode matmuls, measured in isolation on
@@ -113,31 +108,18 @@ def _load_x(x_ptrs, mask, SILU_MUL_OFF: tl.constexpr, DTYPE: tl.constexpr, INTER
 
 
 @triton.jit
-def _dot_partial(w_first, w_ptrs, x_first_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FIRST_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr,
+def _dot_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  DOT_UPCAST: tl.constexpr, SILU_MUL_OFF: tl.constexpr,
                  INTERPRETED: tl.constexpr):  # fmt: skip
     # w_ptrs [BLOCK_N, BLOCK_K], x_ptrs [BLOCK_K, BLOCK_M] (x transposed); returns fp32 [BLOCK_M, BLOCK_N].
-    # w_first: the first FIRST_K columns of weight, loaded by the caller (before the PDL wait);
-    # w_ptrs and x_ptrs point at the chunk after them.
+    # w_first: the first weight chunk, loaded by the caller (before the PDL wait).
     offs_k = tl.arange(0, BLOCK_K)
-    offs_f = tl.arange(0, FIRST_K)
-    f_ok = (k_start + offs_f < k_end)[:, None]
-    x_first = _load_x(x_first_ptrs, f_ok, SILU_MUL_OFF, w_first.dtype, INTERPRETED)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # Chunk by chunk, in K order: one dot over the whole first load would stage it all in shared memory.
-    if FIRST_K == BLOCK_K:
-        acc = _dot(w_first, x_first, acc, DOT_PRECISION, DOT_UPCAST)
-    elif FIRST_K == 2 * BLOCK_K:
-        acc = _dot_halves(w_first, x_first, acc, BLOCK_N, BLOCK_M, FIRST_K, DOT_PRECISION, DOT_UPCAST)
-    else:
-        tl.static_assert(FIRST_K == 4 * BLOCK_K, "the first load spans 1, 2 or 4 chunks")
-        w_lo, w_hi = _halves_k(w_first, BLOCK_N, FIRST_K, True)
-        x_lo, x_hi = _halves_k(x_first, BLOCK_M, FIRST_K, False)
-        acc = _dot_halves(w_lo, x_lo, acc, BLOCK_N, BLOCK_M, FIRST_K // 2, DOT_PRECISION, DOT_UPCAST)
-        acc = _dot_halves(w_hi, x_hi, acc, BLOCK_N, BLOCK_M, FIRST_K // 2, DOT_PRECISION, DOT_UPCAST)
-    for k in range(k_start + FIRST_K, k_end, BLOCK_K):
+    xt = _load_x(x_ptrs, (k_start + offs_k < k_end)[:, None], SILU_MUL_OFF, w_first.dtype, INTERPRETED)
+    acc = _dot(w_first, xt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PRECISION, DOT_UPCAST)
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
             xt = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
@@ -149,24 +131,6 @@ def _dot_partial(w_first, w_ptrs, x_first_ptrs, x_ptrs, k_start, k_end, K, BLOCK
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return tl.trans(acc)
-
-
-@triton.jit
-def _halves_k(t, R: tl.constexpr, KK: tl.constexpr, K_LAST: tl.constexpr):
-    # The two halves along K of w [R, KK] (K_LAST) or of x^T [KK, R].
-    if K_LAST:
-        return tl.split(tl.permute(tl.reshape(t, [R, 2, KK // 2]), [0, 2, 1]))
-    else:
-        return tl.split(tl.permute(tl.reshape(t, [2, KK // 2, R]), [1, 2, 0]))
-
-
-@triton.jit
-def _dot_halves(w, xt, acc, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KK: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):  # fmt: skip
-    # acc + w [BLOCK_N, KK] @ xt [KK, BLOCK_M] as two dots over the K halves, lower half first.
-    w_lo, w_hi = _halves_k(w, BLOCK_N, KK, True)
-    x_lo, x_hi = _halves_k(xt, BLOCK_M, KK, False)
-    return _dot(w_hi, x_hi, _dot(w_lo, x_lo, acc, DOT_PRECISION, DOT_UPCAST), DOT_PRECISION, DOT_UPCAST)
 
 
 @triton.jit
@@ -204,16 +168,13 @@ def _fma_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _load_first_w(w_ptrs, k_start, k_end, BLOCK_K: tl.constexpr, FIRST_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # The CTA's first FIRST_K weight columns (zeros past its K range). With EVEN_K a chunk is wholly in
-    # or out, so the mask is uniform along each chunk and the load stays vectorised.
-    offs = tl.arange(0, FIRST_K)
-    if EVEN_K and FIRST_K == BLOCK_K:
+def _load_first_w(w_ptrs, k_start, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # The CTA's first weight chunk (zeros for an empty K range). With EVEN_K a chunk is wholly in or
+    # out, so the mask is uniform along K and the load stays vectorised.
+    if EVEN_K:
         return tl.load(w_ptrs, mask=(tl.full([BLOCK_K], 0, tl.int32) + k_start < k_end)[None, :], other=0.0)
-    elif EVEN_K:
-        return tl.load(w_ptrs, mask=((offs // BLOCK_K) * BLOCK_K + k_start < k_end)[None, :], other=0.0)
     else:
-        return tl.load(w_ptrs, mask=(k_start + offs < k_end)[None, :], other=0.0)
+        return tl.load(w_ptrs, mask=(k_start + tl.arange(0, BLOCK_K) < k_end)[None, :], other=0.0)
 
 
 # M is not specialised (M == 1, M % 16 == 0 would each compile the kernel again).
@@ -245,7 +206,6 @@ def _skinny_kernel(
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_W: tl.constexpr,
-    FIRST_K: tl.constexpr,
     GATED: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of every row, over K range pid_k.
@@ -258,32 +218,26 @@ def _skinny_kernel(
     w_rows = (offs_n % N).to(tl.int64)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    offs_f = tl.arange(0, FIRST_K)
-    w_first_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_start + offs_f)[None, :]
-    # No kernel writes the weight: its first chunks stream in while the previous kernel finishes.
+    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    # No kernel writes the weight: its first chunk streams in while the previous kernel finishes.
     if GATED:
         # Rows with gate 0 need no output: when no row needs one, skip the weight stream entirely.
         pdl_enter(USE_PDL)
         if tl.max(tl.load(gate_ptr + offs_m, mask=offs_m < M, other=0), axis=0) == 0:
             return
-        w_first = _load_first_w(w_first_ptrs, k_start, k_end, BLOCK_K, FIRST_K, EVEN_K)
+        w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
     elif EARLY_W:
-        w_first = _load_first_w(w_first_ptrs, k_start, k_end, BLOCK_K, FIRST_K, EVEN_K)
+        w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
         pdl_enter(USE_PDL)
     else:
         pdl_enter(USE_PDL)
-        w_first = _load_first_w(w_first_ptrs, k_start, k_end, BLOCK_K, FIRST_K, EVEN_K)
+        w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
     x_rows = tl.minimum(offs_m, M - 1)
     if USE_DOT:
-        x_first_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_f)[:, None]
-        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_start + FIRST_K + offs_k)[None, :]
-        x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + FIRST_K + offs_k)[:, None]
-        acc = _dot_partial(w_first, w_ptrs, x_first_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M,
-                           BLOCK_K, FIRST_K, EVEN_K, DOT_PRECISION, DOT_UPCAST, SILU_MUL_OFF,
-                           INTERPRETED)  # fmt: skip
+        x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
+        acc = _dot_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
+                           DOT_PRECISION, DOT_UPCAST, SILU_MUL_OFF, INTERPRETED)  # fmt: skip
     else:
-        # FIRST_K == BLOCK_K here; _fma_partial steps past the first chunk itself.
-        w_ptrs = w_first_ptrs
         x_ptrs = x_ptr + x_rows[:, None] * stride_xm + (k_start + offs_k)[None, :]
         acc = _fma_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N, BLOCK_M, BLOCK_K, EVEN_K,
                            SILU_MUL_OFF, INTERPRETED)  # fmt: skip
@@ -455,9 +409,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
         USE_DOT=use_dot, FUSED_REDUCE=fused,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
-        INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, FIRST_K=block_k * (EARLY_CHUNKS if use_dot else 1),
-        GATED=gate is not None,
-        num_warps=cfg["num_warps"], num_stages=min(cfg["num_stages"], MAX_STAGES or cfg["num_stages"]), **pdl,
+        INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, GATED=gate is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
     if split > 1 and not fused:
         block = min(1024, next_pow2(n))
