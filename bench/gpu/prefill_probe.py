@@ -45,7 +45,8 @@ def main() -> None:
     if not os.path.exists(os.path.join(CKPT, "model.safetensors")):
         make_checkpoint("ouro-1.4b", CKPT, seed=0, dtype="bfloat16", progress=False)
     rng = np.random.default_rng(0)
-    for graphs in (True, False):
+    # PREFILL_PROBE_EAGER=0: graphs only (an A/B in one call).
+    for graphs in (True, False) if os.environ.get("PREFILL_PROBE_EAGER", "1") != "0" else (True,):
         eng = Engine(EngineConfig(model=CKPT, cuda_graphs=graphs))
         prefill_step_ms(eng, rng, 1)  # warm-up: compiles, allocates
         for conc in (1, 8):
