@@ -142,6 +142,8 @@ def page(prompt: int, gen: int, length: int, depth_counts: list[int], aborted: i
         f'vllm:request_success_total{{{lab},finished_reason="length"}} {length}',
         f"ouro_fast:engine_step_failures_total{{{lab}}} 0",
         f"ouro_fast:engine_steps_total{{{lab}}} {gen * 4}",
+        f"ouro_fast:run_ahead_steps_total{{{lab}}} {gen * 3}",
+        f"ouro_fast:run_ahead_runs_total{{{lab}}} {length}",
         f"ouro_fast:requests_in_flight{{{lab}}} 0",
     ]
     if aborted:
@@ -168,6 +170,7 @@ def test_metrics_delta_against_hand_counts():
     assert d["aborted"] == {"disconnect": 1} and d["rejected"] == {}
     assert d["exit_depth_histogram"] == {"1": 10, "2": 12, "3": 6, "4": 4}
     assert d["exit_depth_tokens"] == 32
+    assert (d["engine_steps"], d["run_ahead_steps"], d["run_ahead_runs"]) == (128, 96, 4)
     assert d["mean_exit_depth"] == pytest.approx((10 + 24 + 18 + 16) / 32, abs=1e-3)
     # The delta as validation sees it: the abort is reported, the counts agree.
     server = {**d, "finished_by_reason": {"length": N}}

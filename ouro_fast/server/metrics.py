@@ -178,6 +178,11 @@ class ServerMetrics:
                 "Engine steps launched by run-ahead decode (before the last step's exits were read).",
                 eng.run_ahead_steps,
             ),
+            (
+                "ouro_fast:run_ahead_runs_total",
+                "Times run-ahead decode started; steps over runs is the mean run length.",
+                eng.run_ahead_runs,
+            ),
             ("vllm:num_preemptions_total", "Requests preempted to free KV (vLLM's name).", eng.preemptions),
             ("ouro_fast:owner_wakeups_total", "Loop iterations of the engine-owner thread.", eng.wakeups),
             (
