@@ -288,13 +288,13 @@ class EngineOwner:
 
     def _post(self, batch: list) -> None:
         eng, stats = self.engine, self.engine.stats
+        ahead = getattr(eng, "ahead", None)  # None on the torch runner
         snap = EngineSnapshot(
             running=eng.num_running, waiting=eng.num_waiting,
             kv_blocks_used=eng.bt.num_blocks - eng.bt.num_free_blocks, kv_blocks_total=eng.bt.num_blocks,
             steps=self._steps, step_failures=self._failures,
             refills=stats.total_refills, preemptions=stats.total_preemptions,
-            run_ahead_steps=getattr(getattr(eng, "ahead", None), "total_launches", 0),
-            run_ahead_runs=getattr(getattr(eng, "ahead", None), "runs", 0),
+            run_ahead_steps=getattr(ahead, "total_launches", 0), run_ahead_runs=getattr(ahead, "runs", 0),
             rows_per_loop=list(stats.total_rows_per_loop), exit_depth=list(stats.exit_depth_histogram),
             step_rows=list(self._step_rows), rows_total=self._rows_total, wakeups=self._wakeups,
             broken=self._broken,
