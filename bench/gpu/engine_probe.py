@@ -65,6 +65,63 @@ def run_case(eng: Engine, rng, conc: int, q: float) -> dict:
     }  # fmt: skip
 
 
+def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int) -> dict:
+    """Closed loop, as `vllm bench serve --max-concurrency`: a finished request is replaced at once.
+
+    Times every engine call by kind: a run-ahead replay ("lanes"), a step that starts run-ahead
+    ("start"), a host-driven step with or without prompt tokens ("host_prefill", "host_decode"),
+    and add_request (which replays the launches in flight first: "admit")."""
+    kinds: dict[str, list[float]] = {}
+    s, ahead = eng.stats, eng.ahead
+
+    def add(kind: str, dt: float) -> None:
+        kinds.setdefault(kind, []).append(dt)
+
+    def submit(i: int) -> None:
+        prompt = rng.integers(3, 1000, 128).tolist()
+        t = time.perf_counter()
+        eng.add_request(f"closed{conc}-{q}-{i}", prompt, SamplingParams(max_tokens=64, ignore_eos=True,
+                                                                       exit_threshold=q))  # fmt: skip
+        add("admit", time.perf_counter() - t)
+
+    runs0 = ahead.runs if ahead is not None else 0
+    hist0 = list(s.exit_depth_histogram)
+    t0 = time.perf_counter()
+    sent = done = 0
+    for _ in range(conc):
+        submit(sent)
+        sent += 1
+    while eng.has_unfinished_requests():
+        was = ahead is not None and ahead.active
+        t = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t
+        if was:
+            add("lanes", dt)
+        elif ahead is not None and ahead.active:
+            add("start", dt)
+        else:
+            add("host_prefill" if s.tokens > s.rows else "host_decode", dt)
+        for o in outs:
+            if o.finished:
+                done += 1
+                if sent < prompts:
+                    submit(sent)
+                    sent += 1
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    hist = [a - b for a, b in zip(s.exit_depth_histogram, hist0)]
+    return {
+        "closed_loop": True, "conc": conc, "threshold": q, "prompts": prompts, "seconds": round(dt, 4),
+        "tok_s": round(prompts * 64 / dt, 1), "mean_depth": round(sum((i + 1) * n for i, n in enumerate(hist))
+                                                                  / max(sum(hist), 1), 3),
+        "run_ahead_runs": (ahead.runs if ahead is not None else 0) - runs0,
+        "calls": {k: {"n": len(v), "total_ms": round(1000 * sum(v), 2), "mean_ms": round(1000 * sum(v) / len(v), 4)}
+                  for k, v in kinds.items()},
+        "exit_depth_histogram": hist,
+    }  # fmt: skip
+
+
 def main() -> None:
     runner = sys.argv[1] if len(sys.argv) > 1 else "auto"
     if not os.path.exists(os.path.join(CKPT, "model.safetensors")):
@@ -84,6 +141,10 @@ def main() -> None:
     spec = os.environ.get("PROBE_CASES", "1:1.0/8:1.0/1:0.5/8:0.5")
     cases = [] if spec == "none" else [(int(c), float(q)) for c, q in (x.split(":") for x in spec.split("/"))]
     results = [run_case(eng, rng, conc, q) for conc, q in cases]
+    # PROBE_CLOSED: "conc:threshold:prompts/..." closed-loop runs (default none).
+    closed = os.environ.get("PROBE_CLOSED", "")
+    for c, q, n in (x.split(":") for x in closed.split("/") if x):
+        results.append(run_closed(eng, rng, int(c), float(q), int(n)))
     for r in results:
         print(json.dumps(r), flush=True)
     graph_steps = graph_step_times(eng)
