@@ -58,6 +58,8 @@ def i32(values) -> torch.Tensor:
 MIXED_ROWS = [(0, 0, 0, 1), (0, 2, 16, 1), (1, 1, 0, 13), (1, 3, 5, 9), (2, 1, 30, 1), (2, 0, 0, 0)]
 DECODE_ROWS = [(0, 0, 0, 1), (0, 3, 15, 1), (1, 1, 16, 1), (2, 2, 30, 1), (1, 0, 0, 0)]
 SHORT_ROWS = [(0, 1, 0, 2), (1, 2, 7, 2), (2, 0, 3, 1)]
+# Rows of several query tiles, with a padding row between them and a decode row last.
+LONG_ROWS = [(0, 0, 0, 40), (1, 1, 0, 0), (2, 2, 3, 17), (1, 0, 0, 1)]
 
 
 def paged_case(rows, block_size, num_loops=4, extra_tokens=2):
@@ -96,6 +98,8 @@ def reference_attention(bt, rows, tok_off, q, kc, vc):
         (DECODE_ROWS, 8, 1, 16, 4, torch.bfloat16, 1),
         (DECODE_ROWS, 6, 2, 16, 16, torch.float32, 1),
         (SHORT_ROWS, 4, 2, 16, 4, torch.bfloat16, 2),
+        (LONG_ROWS, 4, 4, 16, 8, torch.float32, 64),
+        (LONG_ROWS, 8, 2, 32, 8, torch.bfloat16, 40),
     ],
     ids=[
         "gqa2-fp32",
@@ -106,6 +110,8 @@ def reference_attention(bt, rows, tok_off, q, kc, vc):
         "decode-gqa8-bf16",
         "decode-gqa3-fp32",
         "short-bf16",
+        "long-mha-fp32",
+        "long-gqa4-bf16",
     ],  # fmt: skip
 )
 def test_paged_attention_matches_reference(rows, hq, hkv, d, block_size, dtype, max_q_len):
@@ -144,6 +150,9 @@ def test_attention_config_depends_only_on_bounds():
     assert attention_config(1, 16, 128)["USE_DOT"] and attention_config(1, 16, 128)["BLOCK_Q"] == 1
     cfg = attention_config(100, 1, 128)
     assert cfg["USE_DOT"] and cfg["BLOCK_Q"] * 1 >= 16
+    # About 8 query tiles for the longest row, tl.dot's M (tokens x group heads) within 16..64.
+    assert [attention_config(q, 1, 128)["BLOCK_Q"] for q in (64, 128, 256, 512, 2048)] == [16, 16, 32, 64, 64]
+    assert [attention_config(q, 4, 128)["BLOCK_Q"] for q in (16, 128, 512)] == [4, 16, 16]
 
 
 # ---- RoPE + K/V write ----

@@ -24,10 +24,20 @@ def test_every_prefill_step_fits_a_start_up_shape(max_rows, max_tokens):
 
 
 def test_prefill_shapes_are_one_per_token_bucket_by_default():
-    # The server's defaults (64 rows, 512 tokens): four prefill graphs.
-    assert prefill_shapes(64, 512) == [(64, 64, 64), (64, 128, 128), (64, 256, 256), (64, 512, 512)]
+    # The server's defaults (64 rows, 512 tokens): seven prefill graphs, powers of two and midpoints.
+    assert [n for _, n, _ in prefill_shapes(64, 512)] == [64, 96, 128, 192, 256, 384, 512]
+    assert all(r == PREFILL_MIN_ROWS and q == n for r, n, q in prefill_shapes(64, 512))
     assert step_shape(1, 128, 128, 64, 512) == (PREFILL_MIN_ROWS, 128, 128)
-    assert len(prefill_shapes(256, 8192)) == 8 + 7 + 6  # 64, 128, 256 rows by 64 (128, 256) .. 8192 tokens
+    # 64, 128, 256 rows by 64 (128, 256) .. 8192 tokens, and the midpoints 96 .. 6144.
+    assert len(prefill_shapes(256, 8192)) == (8 + 7 + 6) + (7 + 6 + 5)
+
+
+def test_a_step_with_a_prompt_pads_by_less_than_half():
+    # A 128-token prompt beside seven decode rows (concurrency 8) runs at 192 tokens, not 256.
+    assert step_shape(8, 135, 128, 64, 512) == (64, 192, 192)
+    for tokens in range(65, 513):
+        _, n, _ = step_shape(2, tokens, 2, 64, 512)
+        assert tokens <= n and 2 * n < 3 * tokens, tokens
 
 
 @pytest.mark.parametrize("max_rows,max_tokens", [(64, 512), (48, 500), (64, 16), (5, 40)])

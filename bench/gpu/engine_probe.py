@@ -84,6 +84,9 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int) -> dict:
                                                                        exit_threshold=q))  # fmt: skip
         add("admit", time.perf_counter() - t)
 
+    # PROBE_TRACE_AFTER=K: a torch-profiler chrome trace of 60 engine calls after the K-th completion.
+    trace_after = int(os.environ.get("PROBE_TRACE_AFTER", "-1"))
+    prof, traced = None, 0
     runs0 = ahead.runs if ahead is not None else 0
     hist0 = list(s.exit_depth_histogram)
     t0 = time.perf_counter()
@@ -102,9 +105,20 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int) -> dict:
             add("start", dt)
         else:
             add("host_prefill" if s.tokens > s.rows else "host_decode", dt)
+        if prof is not None:
+            traced += 1
+            if traced == 60:
+                torch.cuda.synchronize()
+                prof.stop()
+                out = os.environ.get("OUT", "/tmp")
+                prof.export_chrome_trace(os.path.join(out, f"closed_{conc}_{q}.json"))
+                prof, trace_after = None, -1
         for o in outs:
             if o.finished:
                 done += 1
+                if done == trace_after and prof is None:
+                    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    prof.start()
                 if sent < prompts:
                     submit(sent)
                     sent += 1
@@ -116,7 +130,8 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int) -> dict:
         "tok_s": round(prompts * 64 / dt, 1), "mean_depth": round(sum((i + 1) * n for i, n in enumerate(hist))
                                                                   / max(sum(hist), 1), 3),
         "run_ahead_runs": (ahead.runs if ahead is not None else 0) - runs0,
-        "calls": {k: {"n": len(v), "total_ms": round(1000 * sum(v), 2), "mean_ms": round(1000 * sum(v) / len(v), 4)}
+        "calls": {k: {"n": len(v), "total_ms": round(1000 * sum(v), 2),
+                      "mean_ms": round(1000 * sum(v) / len(v), 4), "max_ms": round(1000 * max(v), 2)}
                   for k, v in kinds.items()},
         "exit_depth_histogram": hist,
     }  # fmt: skip

@@ -6,7 +6,8 @@ transfers; the tensors the kernels read are fixed views into one device buffer.
 A step runs padded to a power-of-two shape (rows, tokens, longest row), padding
 rows and tokens doing nothing, so a few CUDA graphs cover every step (step_shape):
 decode steps by row count; steps that carry a prompt chunk by token count alone
-(at least PREFILL_MIN_ROWS rows, longest row = the token bucket). All are captured
+(at least PREFILL_MIN_ROWS rows, longest row = the token bucket; token buckets are powers
+of two and, above 64, their midpoints 3 * 2^k). All are captured
 at start-up (up to MAX_GRAPHS; a shape beyond runs eagerly at the same padding), so
 no request waits for a capture. The hidden states and exit statistics carried
 between steps live in static buffers indexed by token.
@@ -46,8 +47,16 @@ def step_shape(rows: int, tokens: int, max_len: int, max_rows: int, max_tokens: 
         r_b = min(_pow2(rows), max_rows)
         return r_b, min(max(_pow2(tokens), r_b), max_tokens), 1
     r_b = min(max(_pow2(rows), PREFILL_MIN_ROWS), max_rows, max_tokens)
-    n_b = min(max(_pow2(tokens), r_b), max_tokens)
+    n_b = min(max(_token_bucket(tokens), r_b), max_tokens)
     return r_b, n_b, n_b
+
+
+def _token_bucket(n: int) -> int:
+    """Tokens a step with a prompt chunk is padded to: powers of two up to 64, then also the
+    midpoints 3 * 2^k (96, 192, 384, ...), so padding adds less than half. A prompt of 128
+    tokens with a few decode rows (concurrency 8) runs at 192 tokens, not 256."""
+    p = _pow2(n)
+    return p * 3 // 4 if p > 64 and n <= p * 3 // 4 else p
 
 
 def decode_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
@@ -58,7 +67,9 @@ def decode_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
 
 def prefill_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
     """Every shape step_shape gives a step with a prompt chunk, fewest tokens first."""
-    rows, toks = _buckets(max_rows), _buckets(max_tokens) - {1}
+    rows = _buckets(max_rows)
+    mids = {3 << i for i in range(5, max_tokens.bit_length())}  # 96, 192, ...: _token_bucket's midpoints
+    toks = {t for t in _buckets(max_tokens) | mids if 1 < t <= max_tokens}
     shapes = {step_shape(r, t, 2, max_rows, max_tokens) for r in rows for t in toks if r <= t}
     return sorted(shapes, key=lambda s: (s[1], s[0]))
 
@@ -236,7 +247,7 @@ class GpuModelRunner:
         caps = (self.max_rows, self.max_tokens)
         shapes = decode_shapes(*caps) + prefill_shapes(*caps)
         with torch.inference_mode():
-            self._compile_prefill_attention()
+            self._compile_prefill_attention(shapes[MAX_GRAPHS:])
             for shape in shapes[:MAX_GRAPHS]:
                 self._capture(shape)
         logger.info("captured %d step graphs in %.1f s: %s", len(self.graphs), time.perf_counter() - t0,
@@ -244,22 +255,23 @@ class GpuModelRunner:
         if lanes:
             self.lanes.capture()
 
-    def _compile_prefill_attention(self) -> None:
-        """Compile the prefill attention kernel for every max_q_len bucket now: compiling one on
-        first use (~0.5-0.8 s on the H200) stalled every request in that step."""
+    def _compile_prefill_attention(self, shapes: list[tuple[int, int, int]]) -> None:
+        """Compile the prefill attention variants the given (uncaptured, eager) step shapes use now:
+        compiling one on first use (~0.5-0.8 s on the H200) stalled every request in that step.
+        Captured shapes compile theirs in the capture's warm-up."""
         from ..kernels import paged_attention
 
         cfg, kc, vc = self.cfg, self.kv_cache[0, 0], self.kv_cache[1, 0]
-        one = torch.zeros(1, dtype=torch.int32, device=self.device)
-        # The real block-table row (its stride is part of the compiled variant: Triton specializes
-        # integer arguments equal to 1 or divisible by 16).
-        bt = self.i32.dev["bt"][:1]
-        q_len = 2
-        while q_len <= min(self.max_tokens, 64):  # beyond 64 the tiles (and the kernel) stay the same
-            q = torch.zeros(q_len, cfg.num_attention_heads, cfg.head_dim, dtype=kc.dtype, device=self.device)
-            # One row of length 0: nothing is read or written, but the launch compiles the variant.
-            paged_attention(q, kc, vc, bt, one * 0, one * 0, one * 0, self.block_size, q_len, 1.0)
-            q_len *= 2
+        for rows, tokens, q_len in shapes:
+            if q_len < 2:
+                continue
+            zeros = torch.zeros(rows, dtype=torch.int32, device=self.device)
+            # The real block-table rows (their stride is part of the compiled variant: Triton
+            # specializes integer arguments equal to 1 or divisible by 16).
+            bt = self.i32.dev["bt"][:rows]
+            q = torch.zeros(tokens, cfg.num_attention_heads, cfg.head_dim, dtype=kc.dtype, device=self.device)
+            # Rows of length 0: nothing is read or written, but the launch compiles the variant.
+            paged_attention(q, kc, vc, bt, zeros, zeros, zeros, self.block_size, q_len, 1.0)
 
     def propagate(self, sched) -> None:
         """Last-exited propagation; the pairs travel through pinned staging (a pageable copy would

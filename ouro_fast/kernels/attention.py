@@ -18,6 +18,19 @@ from .rounding import round_to
 
 
 @triton.jit
+def _tile_row(len_ptr, R, MAX_Q, t, BLOCK_Q: tl.constexpr, R_P2: tl.constexpr):
+    # (row, tile within the row) of tile t, rows taking cdiv(min(len, MAX_Q), BLOCK_Q) tiles in order;
+    # row R when t is past the last tile.
+    offs_r = tl.arange(0, R_P2)
+    lens = tl.minimum(tl.load(len_ptr + offs_r, mask=offs_r < R, other=0), MAX_Q)
+    tiles = (lens + BLOCK_Q - 1) // BLOCK_Q
+    ends = tl.cumsum(tiles, axis=0)
+    row = tl.sum((ends <= t).to(tl.int32), axis=0)
+    first = tl.sum(tl.where(offs_r == row, ends - tiles, 0), axis=0)
+    return row, t - first
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     o_ptr,
@@ -37,6 +50,8 @@ def _paged_attention_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    R,
+    MAX_Q,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -47,15 +62,16 @@ def _paged_attention_kernel(
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    R_P2: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    # One program: one row, one tile of BLOCK_Q query tokens, one KV head with its GROUP query heads.
-    row = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
-    n_q = tl.load(len_ptr + row)
-    if q_tile * BLOCK_Q >= n_q:
+    # One program: one tile of BLOCK_Q query tokens of one row, one KV head with its GROUP query heads.
+    # Tiles are numbered across the rows that have tokens, so no program is spent on padding rows.
+    kv_head = tl.program_id(1)
+    row, q_tile = _tile_row(len_ptr, R, MAX_Q, tl.program_id(0), BLOCK_Q, R_P2)
+    if row >= R:
         return
+    n_q = tl.minimum(tl.load(len_ptr + row), MAX_Q)
     q0 = tl.load(q_start_ptr + row)
     tok0 = tl.load(tok_off_ptr + row)
 
@@ -139,7 +155,8 @@ def attention_config(max_q_len: int, group: int, head_dim: int) -> dict:
     if q_p2 * group_p2 <= 8:
         block_n = min(128, max(8, 4096 // (q_p2 * group_p2 * d_p2)))
         return {"BLOCK_Q": q_p2, "BLOCK_N": block_n, "USE_DOT": False, "num_warps": 4}
-    block_q = max(min(q_p2, max(1, 64 // group_p2)), max(1, 16 // group_p2))
+    # About 8 tiles per longest row (more programs for short prompts), M = tokens x heads in 16..64.
+    block_q = max(min(q_p2 // 8, max(1, 64 // group_p2)), max(1, 16 // group_p2))
     return {
         "BLOCK_Q": block_q,
         "BLOCK_N": 64 if d_p2 <= 128 else 32,
@@ -190,17 +207,19 @@ def paged_attention(
     group = hq // hkv
     cfg = attention_config(max_q_len, group, d)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    grid = (r, triton.cdiv(max_q_len, cfg["BLOCK_Q"]), hkv)
+    # At most cdiv(len, BLOCK_Q) tiles a row, which sum to at most N / BLOCK_Q + (rows with tokens).
+    tiles = min(r * triton.cdiv(max_q_len, cfg["BLOCK_Q"]), triton.cdiv(n, cfg["BLOCK_Q"]) + min(r, n))
+    grid = (tiles, hkv)
     _paged_attention_kernel[grid](
         q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0),
+        block_tables.stride(0), r, max_q_len,
         GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d, D_P2=next_pow2(d), PAGE=block_size,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=cfg["USE_DOT"] and q.dtype == torch.bfloat16 and interpreting(),
-        INTERPRETED=interpreting(),
+        INTERPRETED=interpreting(), R_P2=next_pow2(r),
         **cfg,
     )  # fmt: skip
     return out
