@@ -65,7 +65,7 @@ def run_case(eng: Engine, rng, conc: int, q: float) -> dict:
     }  # fmt: skip
 
 
-def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int) -> dict:
+def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after: int = -1) -> dict:
     """Closed loop, as `vllm bench serve --max-concurrency`: a finished request is replaced at once.
 
     Times every engine call by kind: a run-ahead replay ("lanes"), a step that starts run-ahead
@@ -84,8 +84,7 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int) -> dict:
                                                                        exit_threshold=q))  # fmt: skip
         add("admit", time.perf_counter() - t)
 
-    # PROBE_TRACE_AFTER=K: a torch-profiler chrome trace of 60 engine calls after the K-th completion.
-    trace_after = int(os.environ.get("PROBE_TRACE_AFTER", "-1"))
+    # trace_after=K: a torch-profiler chrome trace of 60 engine calls after the K-th completion.
     prof, traced = None, 0
     runs0 = ahead.runs if ahead is not None else 0
     hist0 = list(s.exit_depth_histogram)
@@ -156,10 +155,11 @@ def main() -> None:
     spec = os.environ.get("PROBE_CASES", "1:1.0/8:1.0/1:0.5/8:0.5")
     cases = [] if spec == "none" else [(int(c), float(q)) for c, q in (x.split(":") for x in spec.split("/"))]
     results = [run_case(eng, rng, conc, q) for conc, q in cases]
-    # PROBE_CLOSED: "conc:threshold:prompts/..." closed-loop runs (default none).
+    # PROBE_CLOSED: "conc:threshold:prompts[:K]/..." closed-loop runs (default none); K: a profiler
+    # trace (perturbs that run's timing) of 60 engine calls after the K-th completion.
     closed = os.environ.get("PROBE_CLOSED", "")
-    for c, q, n in (x.split(":") for x in closed.split("/") if x):
-        results.append(run_closed(eng, rng, int(c), float(q), int(n)))
+    for c, q, n, *k in (x.split(":") for x in closed.split("/") if x):
+        results.append(run_closed(eng, rng, int(c), float(q), int(n), int(k[0]) if k else -1))
     for r in results:
         print(json.dumps(r), flush=True)
     graph_steps = graph_step_times(eng)
