@@ -109,3 +109,52 @@ def test_every_step_replays_a_graph_captured_at_start_up(model_dir, monkeypatch)
     params = SamplingParams(max_tokens=6, temperature=0, exit_threshold=0.5, ignore_eos=True)
     generate(engine, params)
     assert eager == [] and set(runner.graphs) == captured
+
+
+def test_propagation_pairs_keep_one_aligned_layout(model_dir):
+    # The dst half starts 16-byte aligned for every pair count (one compiled kernel variant), and
+    # the pairs copy K/V as the indexed reference does.
+    opts = dict(model=model_dir, dtype="float32", runner="triton", max_num_batched_tokens=16)
+    engine = Engine(EngineConfig(**opts))
+    runner = engine.runner
+    kv = runner.kv_cache
+    kv.copy_(torch.randn_like(kv))
+    for k in (1, 2, 3, 7):
+        src = torch.arange(k, dtype=torch.int64) * 2
+        dst = src + 1 + 2 * k
+        want = kv.clone()
+        want[:, :, dst] = want[:, :, src]
+        runner._propagate_pairs(src.numpy(), dst.numpy(), k)
+        h = runner.prop_half
+        assert h % 2 == 0 and runner.prop.dev["pairs"][h:].data_ptr() % 16 == 0
+        assert torch.equal(kv.cpu(), want.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles kernels only on a GPU")
+def test_no_kernel_compiles_after_start_up(model_dir, monkeypatch):
+    # A compile on first use stalls every request of that step (0.1-0.4 s on the H200): early exits
+    # (propagation), temperature sampling, a request joining a run-ahead batch, prompts of several
+    # lengths all run on kernels compiled at start-up.
+    from triton.runtime.jit import JITFunction
+
+    opts = dict(model=model_dir, dtype="float32", runner="triton", max_num_batched_tokens=16)
+    engine = Engine(EngineConfig(**opts))
+    compiled = []
+    inner = JITFunction._do_compile
+
+    def record(self, *args, **kwargs):
+        compiled.append(self.fn.__name__)
+        return inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", record)
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(max_tokens=8, temperature=temperature, exit_threshold=0.5, ignore_eos=True)
+        engine.add_request(f"a{temperature}", PROMPTS[0], params)
+        for _ in range(6):
+            engine.step()
+        engine.add_request(f"b{temperature}", PROMPTS[2], params)
+        engine.add_request(f"c{temperature}", PROMPTS[1], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine.ahead.total_launches > 0 and sum(engine.stats.exit_depth_histogram[:-1]) > 0
+    assert compiled == []

@@ -65,6 +65,27 @@ def run_case(eng: Engine, rng, conc: int, q: float) -> dict:
     }  # fmt: skip
 
 
+COMPILES: list[dict] = []  # Triton compiles after start-up (PROBE_LOG_COMPILES=1)
+CURRENT = {"call": "start-up"}
+
+
+def log_compiles() -> None:
+    """Record every Triton compile from now on, with the engine call it happened in: a compile
+    after start-up stalls the requests of that step (~0.1-0.8 s on the H200)."""
+    from triton.runtime.jit import JITFunction
+
+    inner = JITFunction._do_compile
+
+    def timed(self, *args, **kwargs):
+        t = time.perf_counter()
+        kernel = inner(self, *args, **kwargs)
+        COMPILES.append({"kernel": self.fn.__name__, "call": CURRENT["call"],
+                         "ms": round(1000 * (time.perf_counter() - t), 1)})  # fmt: skip
+        return kernel
+
+    JITFunction._do_compile = timed
+
+
 def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after: int = -1) -> dict:
     """Closed loop, as `vllm bench serve --max-concurrency`: a finished request is replaced at once.
 
@@ -76,6 +97,7 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
 
     def add(kind: str, dt: float) -> None:
         kinds.setdefault(kind, []).append(dt)
+        CURRENT["call"] = f"{conc}:{q} after {kind}"
 
     def submit(i: int) -> None:
         prompt = rng.integers(3, 1000, 128).tolist()
@@ -151,6 +173,8 @@ def main() -> None:
     print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.bt.num_blocks} KV blocks", flush=True)
     rng = np.random.default_rng(0)
     startup_s = time.perf_counter() - t
+    if os.environ.get("PROBE_LOG_COMPILES") == "1":
+        log_compiles()
     # PROBE_CASES: "conc:threshold/..." (default all four), or "none" for the graph step times only.
     spec = os.environ.get("PROBE_CASES", "1:1.0/8:1.0/1:0.5/8:0.5")
     cases = [] if spec == "none" else [(int(c), float(q)) for c, q in (x.split(":") for x in spec.split("/"))]
@@ -160,6 +184,8 @@ def main() -> None:
     closed = os.environ.get("PROBE_CLOSED", "")
     for c, q, n, *k in (x.split(":") for x in closed.split("/") if x):
         results.append(run_closed(eng, rng, int(c), float(q), int(n), int(k[0]) if k else -1))
+    if COMPILES:
+        results.append({"compiles_after_start_up": COMPILES})
     for r in results:
         print(json.dumps(r), flush=True)
     graph_steps = graph_step_times(eng)

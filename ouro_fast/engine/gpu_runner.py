@@ -158,7 +158,8 @@ class GpuModelRunner:
         self.ls_prev = torch.zeros(n + 1, dtype=torch.float32, device=device)
         self.exits = torch.zeros(r, dtype=torch.bool, device=device)
         self.x_last = torch.zeros(r, cfg.hidden_size, dtype=dtype, device=device)
-        self.prop: _Staging | None = None  # propagation pairs, sized on first use
+        self.prop: _Staging | None = None  # propagation pairs (src half, dst half), sized on first use
+        self.prop_half = 0
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.lanes = DecodeLanes(self, max_rows, cfg.total_ut_steps, max_blocks_per_seq, seed)
@@ -250,6 +251,7 @@ class GpuModelRunner:
             self._compile_prefill_attention(shapes[MAX_GRAPHS:])
             for shape in shapes[:MAX_GRAPHS]:
                 self._capture(shape)
+            self._compile_host_kernels()
         logger.info("captured %d step graphs in %.1f s: %s", len(self.graphs), time.perf_counter() - t0,
                     sorted(self.graphs))  # fmt: skip
         if lanes:
@@ -277,13 +279,36 @@ class GpuModelRunner:
         """Last-exited propagation; the pairs travel through pinned staging (a pageable copy would
         wait for the whole stream, stalling the host behind steps it launched without waiting)."""
         k = sched.num_prop
-        if self.prop is None or 2 * k > self.prop.device.numel():
-            self.prop = _Staging({"pairs": (2 * max(k, len(sched.prop_src)),)}, torch.int64, self.device)
+        self._propagate_pairs(sched.prop_src[:k], sched.prop_dst[:k], len(sched.prop_src))
+
+    def _propagate_pairs(self, src: np.ndarray, dst: np.ndarray, capacity: int) -> None:
+        k = len(src)
+        if self.prop is None or k > self.prop_half:
+            # An even half: the dst half starts 16-byte aligned whatever k is, so the kernel has one
+            # compiled variant (Triton specializes pointer alignment), warmed at start-up.
+            self.prop_half = max(k, capacity, 2) + max(k, capacity, 2) % 2
+            self.prop = _Staging({"pairs": (2 * self.prop_half,)}, torch.int64, self.device)
+        h = self.prop_half
         pairs = self.prop.begin()["pairs"]
-        pairs[:k], pairs[k : 2 * k] = sched.prop_src[:k], sched.prop_dst[:k]
-        self.prop.upload(2 * k)
+        pairs[:k], pairs[h : h + k] = src, dst
+        self.prop.upload(h + k)
         dev = self.prop.dev["pairs"]
-        propagate_kv(self.kv_cache, dev[:k], dev[k : 2 * k])
+        propagate_kv(self.kv_cache, dev[:k], dev[h : h + k])
+
+    def _compile_host_kernels(self) -> None:
+        """Compile now the kernels the host path launches outside graphs: the propagation (first
+        used at the first early exit) and the sampler on float32 logits (~0.1 and ~0.4 s on the
+        H200, measured as stalls of the first such step before this)."""
+        from ..kernels.sample import sample_gumbel
+        from .sampling import GREEDY_EPS
+
+        none = np.full(1, -1, np.int64)  # a pair with negative slots copies nothing
+        self._propagate_pairs(none, none, 1)
+        vocab = self.sampler.vocab_limit
+        rows = self.model.logits(self.x_last[:1]).float()  # the host path's logits layout
+        one = torch.ones(1, dtype=torch.float32, device=self.device)
+        seed = torch.zeros(1, dtype=torch.int64, device=self.device)
+        sample_gumbel(rows, one, seed, GREEDY_EPS, min(vocab, rows.shape[1]))
 
     @torch.inference_mode()
     def execute(self, sched, tables: np.ndarray, sampling: RowSampling) -> StepResult:
