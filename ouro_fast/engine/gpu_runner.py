@@ -286,7 +286,8 @@ class GpuModelRunner:
         if self.prop is None or k > self.prop_half:
             # An even half: the dst half starts 16-byte aligned whatever k is, so the kernel has one
             # compiled variant (Triton specializes pointer alignment), warmed at start-up.
-            self.prop_half = max(k, capacity, 2) + max(k, capacity, 2) % 2
+            n = max(k, capacity, 2)
+            self.prop_half = n + n % 2
             self.prop = _Staging({"pairs": (2 * self.prop_half,)}, torch.int64, self.device)
         h = self.prop_half
         pairs = self.prop.begin()["pairs"]
