@@ -125,9 +125,10 @@ def metrics_delta(before: list, after: list) -> dict:
         "rejected": labelled("ouro_fast:requests_rejected_total", "reason"),
         "aborted": labelled("ouro_fast:requests_aborted_total", "reason"),
         "engine_steps": int(round(d("ouro_fast:engine_steps_total"))),
-        # Steps the device drove, and how many runs they came in (each new request ends a run).
+        # Steps the device drove, the runs they came in, and the prompts that rode in them.
         "run_ahead_steps": int(round(d("ouro_fast:run_ahead_steps_total"))),
         "run_ahead_runs": int(round(d("ouro_fast:run_ahead_runs_total"))),
+        "run_ahead_riders": int(round(d("ouro_fast:run_ahead_riders_total"))),
         "engine_step_failures": int(round(d("ouro_fast:engine_step_failures_total"))),
         "loop_rows": labelled("ouro_fast:loop_rows_total", "loop"),
         "exit_depth_histogram": hist,

@@ -23,5 +23,6 @@ def test_closed_loop_replaces_finished_requests_and_times_every_call(model_dir, 
     # Every engine step falls under exactly one kind; the torch runner never runs ahead.
     assert sum(c["n"] for k, c in calls.items() if k != "admit") == engine.stats.steps - steps0
     assert calls["host_prefill"]["n"] >= 4 and "lanes" not in calls and result["run_ahead_runs"] == 0
+    assert result["run_ahead_riders"] == 0
     assert sum(result["exit_depth_histogram"]) == 7 * 64  # 64 tokens each, ignore_eos
     assert 1.0 <= result["mean_depth"] < 4.0 and result["tok_s"] > 0

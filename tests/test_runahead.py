@@ -103,24 +103,94 @@ def test_stop_ids_on_the_device_and_stop_strings_on_the_host(model_dir):
     assert ahead.ahead.total_launches > 0
 
 
-def test_request_arriving_mid_run_is_admitted_with_same_tokens(model_dir):
+def test_request_arriving_mid_run_rides_in_a_lane_with_same_tokens(model_dir):
     late = ("late", PROMPTS[2], greedy(4))
     early = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])]
     want = tokens(run(engine(model_dir, run_ahead=False), early + [late]))
     eng = engine(model_dir)
 
     def add_late(e):
-        # Once a run-ahead is under way: the arrival ends it (its launches are replayed first).
+        # Once a run-ahead is under way: the launches in flight are replayed, the run goes on.
         if e.ahead.active and e.ahead.launched >= 3:
             e.add_request(*late)
-            assert not e.ahead.active
+            assert e.ahead.active and e.ahead.launched == e.ahead.replayed
             return True
         return False
 
     got = tokens(run(eng, early, hook=add_late))
-    assert "late" in got
     assert got == want
-    assert eng.ahead.runs >= 2  # and a new one started once the late prompt was prefilled
+    # Both lanes were busy: the lanes doubled, and the prompt rode in a third one.
+    assert eng.ahead.total_riders == 1 and eng.ahead.runs == 1
+
+
+def test_riders_join_together_and_while_others_ride(model_dir):
+    # b stops on its first token (a stop id the device sees); c wants one token (its length cap).
+    b_first = tokens(run(engine(model_dir, run_ahead=False), [("b", PROMPTS[1], greedy(3))]))["b"][0][0]
+    early = [("0", PROMPTS[0], greedy(10))]
+    late = [("a", PROMPTS[0], greedy(4)), ("b", PROMPTS[1], greedy(3, stop_token_ids=[b_first]))]
+    later = ("c", [11, 12], greedy(1))
+    want = tokens(run(engine(model_dir, run_ahead=False), early + late + [later]))
+    eng = engine(model_dir)
+    seen = {}
+
+    def hook(e):
+        if "late" not in seen and e.ahead.active and e.ahead.launched >= 2:
+            seen["late"] = [e.add_request(*r) for r in late]
+        elif "late" in seen and e.ahead.riders:
+            seen["riding"] = len(e.ahead.riders)
+            e.add_request(*later)  # a lane is free: it joins while the others ride
+            return True
+        return False
+
+    got = tokens(run(eng, early, hook=hook))
+    assert got == want
+    assert got["b"][0] == [b_first] and got["b"][2] == "stop" and got["c"][0] == want["c"][0]
+    assert seen["riding"] >= 1 and eng.ahead.total_riders == 3 and eng.ahead.runs == 1
+
+
+def test_a_newcomer_that_cannot_ride_hands_back_mid_ride_with_same_tokens(model_dir):
+    # A seeded request needs the host sampler: its arrival ends the run while a prompt rides, and the
+    # host path carries that prompt's remaining loops from where the lanes left them.
+    early = [(str(i), p, greedy(8)) for i, p in enumerate(PROMPTS)]
+    late = ("late", [9, 8, 7], greedy(4))
+    seeded = ("seeded", [4, 4], greedy(3, seed=7))
+    want = tokens(run(engine(model_dir, run_ahead=False), early + [late, seeded]))
+    eng = engine(model_dir)
+    seen = {}
+
+    def hook(e):
+        if "late" not in seen and e.ahead.active and e.ahead.launched >= 2:
+            seen["late"] = e.add_request(*late)
+        elif "late" in seen and e.ahead.riders and e.ahead.launched > e.ahead.span.max(axis=0)[0]:
+            e.add_request(*seeded)  # the next step schedules it beside the prompt, mid-ride
+            return True
+        return False
+
+    got = tokens(run(eng, early, hook=hook))
+    assert got == want
+    assert eng.ahead.hand_backs == 1 and eng.ahead.total_riders == 1
+
+
+def test_abort_of_a_rider_frees_its_kv_and_spares_the_others(model_dir):
+    early = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])]
+    late = ("late", PROMPTS[2], greedy(4))
+    want = tokens(run(engine(model_dir, run_ahead=False), early))
+    eng = engine(model_dir)
+    seen = {}
+
+    def hook(e):
+        if "late" not in seen and e.ahead.active and e.ahead.launched >= 3:
+            seen["late"] = e.add_request(*late)
+        elif "late" in seen and e.ahead.riders:
+            e.abort_request("late")  # mid-prompt: its lane is killed at the next launch
+            return True
+        return False
+
+    done = run(eng, early, hook=hook)
+    assert done["late"].finish_reason == "abort"
+    got = tokens(done)
+    assert got["0"] == want["0"] and got["1"] == want["1"]
+    assert eng.ahead.total_riders == 1
 
 
 def test_abort_mid_run_frees_the_lane_and_spares_the_others(model_dir):

@@ -109,6 +109,7 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
     # trace_after=K: a torch-profiler chrome trace of 60 engine calls after the K-th completion.
     prof, traced = None, 0
     runs0 = ahead.runs if ahead is not None else 0
+    riders0 = getattr(ahead, "total_riders", 0)  # builds before riders have none
     hist0 = list(s.exit_depth_histogram)
     t0 = time.perf_counter()
     sent = done = 0
@@ -151,6 +152,7 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
         "tok_s": round(prompts * 64 / dt, 1), "mean_depth": round(sum((i + 1) * n for i, n in enumerate(hist))
                                                                   / max(sum(hist), 1), 3),
         "run_ahead_runs": (ahead.runs if ahead is not None else 0) - runs0,
+        "run_ahead_riders": getattr(ahead, "total_riders", 0) - riders0,
         "calls": {k: {"n": len(v), "total_ms": round(1000 * sum(v), 2),
                       "mean_ms": round(1000 * sum(v) / len(v), 4), "max_ms": round(1000 * max(v), 2)}
                   for k, v in kinds.items()},

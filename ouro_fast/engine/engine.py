@@ -206,8 +206,8 @@ class Engine:
         """Queue a request. Raises ValueError (a client error) or OverflowError (queue full)."""
         params = params or SamplingParams()
         if self.ahead is not None and self.ahead.active:
-            # The device runs its lanes without the scheduler: hand the batch back before admitting.
-            self.pending += self.ahead.drain()
+            # Launches in flight are replayed first: their schedules must not admit this request.
+            self.pending += self.ahead.catch_up()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate(self.num_loops)
@@ -276,14 +276,20 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one loop for every scheduled row; return the outputs of requests with news."""
         outputs, self.pending = self.pending, []
-        if self.ahead is not None and self.ahead.active:
-            return outputs + self.ahead.step()
+        ahead = self.ahead
         t0 = time.perf_counter()
-        rows = self.scheduler.schedule()
+        if ahead is not None and ahead.active:
+            outputs += ahead.step()
+            if not ahead.handed_back:
+                return outputs
+            ahead.handed_back = False
+            rows = self.scheduler.num_rows  # the run ended with this step, scheduled for the host path
+        else:
+            rows = self.scheduler.schedule()
+            if rows and ahead is not None and ahead.eligible() and ahead.start():
+                return outputs + ahead.step()
         if rows == 0:
             return outputs
-        if self.ahead is not None and self.ahead.eligible() and self.ahead.start():
-            return outputs + self.ahead.step()
         t1 = time.perf_counter()
         result = self.runner.execute(self.scheduler, self.bt.tables, self.sampling)
         t2 = time.perf_counter()

@@ -197,7 +197,45 @@ class GpuModelRunner:
         # The block tables come last: copy only the rows in use (a full table is ~1 MB).
         self.i32.upload(self.i32.offset["bt"] + rows * b["bt"].shape[1])
 
+    def fill_rider_step(self, lanes: int, riders: list, tables: np.ndarray) -> tuple[int, int, int]:
+        """Stage a step of decode lanes and riders' prompts (engine/riders.py); returns its padded shape.
+        Rows and tokens [0, lanes) are the lanes', written on the device (kernels/lanes.pack_lane_step);
+        rider i is row lanes + i over its prompt's tokens at rd.off, at loop rd.loop, carrying its
+        hidden states from the tokens at rd.prev_off of the last step. Padding as in _fill."""
+        n = lanes + sum(len(rd.ids) for rd in riders)
+        longest = max(len(rd.ids) for rd in riders)
+        rows, tokens, q_len = step_shape(lanes + len(riders), n, longest, self.max_rows, self.max_tokens)
+        a, b = self.i64.begin(), self.i32.begin()
+        t, w = slice(lanes, tokens), slice(lanes, rows)
+        a["ids"][t], a["pos"][t], a["slot"][t], a["hsrc"][t] = 0, 0, -1, -1
+        a["last"][w], a["prev_last"][w], a["store"][w] = 0, -1, self.max_tokens
+        b["bt"][w], b["q_start"][w], b["len"][w], b["tok_off"][w] = -1, 0, 0, 0
+        b["loop"][w], b["lo"][w], b["hi"][w] = 0, 127, 127
+        bs = self.block_size
+        for i, rd in enumerate(riders):
+            row, o, k = lanes + i, rd.off, len(rd.ids)
+            p = np.arange(k)
+            table = tables[rd.kv, rd.loop]
+            a["ids"][o : o + k], a["pos"][o : o + k] = rd.ids, p
+            a["slot"][o : o + k] = table[p // bs].astype(np.int64) * bs + p % bs
+            a["hsrc"][o : o + k] = p + rd.prev_off if rd.loop > 0 else -1
+            a["last"][row] = a["store"][row] = o + k - 1
+            a["prev_last"][row] = rd.prev_off + k - 1 if rd.loop > 0 else -1
+            b["bt"][row] = table
+            b["q_start"][row], b["len"][row], b["tok_off"][row], b["loop"][row] = 0, k, o, rd.loop
+        self.i64.upload()
+        self.i32.upload(self.i32.offset["bt"] + rows * b["bt"].shape[1])
+        return rows, tokens, q_len
+
     # ---- the step on the device -------------------------------------------------
+
+    def run_shape(self, shape: tuple[int, int, int]) -> None:
+        """One loop over the staged step at a padded shape: its captured graph, else eagerly."""
+        graph = self.graphs.get(shape)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._forward(*shape)
 
     def _forward(self, rows: int, tokens: int, max_q_len: int) -> None:
         """One loop for the first `rows` rows / `tokens` tokens of the static buffers (graph-capturable)."""
@@ -318,11 +356,7 @@ class GpuModelRunner:
             self.propagate(sched)
         shape = step_shape(r, n, int(sched.row_len[:r].max()), self.max_rows, self.max_tokens)
         self._fill(sched, tables, shape[0], shape[1])
-        graph = self.graphs.get(shape)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._forward(*shape)
+        self.run_shape(shape)
         loops = sched.row_loop[:r]
         if not (sched.row_exit_lo[:r] <= loops).any():
             # No row may exit at this loop: nothing to read back, so do not wait for the device.

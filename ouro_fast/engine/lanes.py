@@ -12,6 +12,11 @@ Per launch the device writes one record per lane, [loop, exited, sampled id,
 active], copied to pinned host memory without waiting. A lane stops on the
 device when it samples one of its stop ids or reaches its length cap (the same
 rules as the engine), or when the host kills it (stop strings, aborts).
+
+A free lane can also carry a newcomer's prompt (a rider, engine/riders.py): while
+the prompt runs its loops the launch is the runner's step graph over the lanes'
+tokens and the prompt's, and after the prompt's last loop the lane decodes the
+first token. The rider's record has the prompt row's loop, exit and first token.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class DecodeLanes:
         self.tok, self.pos, self.kvrow, self.cap = (torch.zeros(r, **i64) for _ in range(4))
         self.stop_ids = torch.full((r, MAX_STOP_IDS), -1, **i64)
         self.loop, self.lo, self.hi, self.active = (torch.zeros(r, **i32) for _ in range(4))
+        # A rider's prompt loop (-1: the lane carries no prompt) and whether its first token is out.
+        self.ploop, self.pdone = torch.full((r,), -1, **i32), torch.zeros(r, **i32)
         self.log1mq, self.temp, self.ls = (torch.zeros(r, dtype=torch.float32, device=dev) for _ in range(3))
         self.h = torch.zeros(r, hidden, dtype=dtype, device=dev)
         self.tok_off = torch.arange(r, **i32)
@@ -56,15 +63,17 @@ class DecodeLanes:
         self.tables = torch.full((num_slots, num_loops, max_blocks), -1, **i32)
         self.record = torch.zeros(r, 4, **i64)
         # Zeroed once: a launch that skips the lm_head leaves the last logits (finite) for the sampler.
+        # Rows for every lane and as many riders.
         vocab = runner.model.lm_head_weight().shape[0]
-        self.logits_buf = torch.zeros(min(r, SKINNY_MAX_M), vocab, dtype=dtype, device=dev)
+        self.logits_buf = torch.zeros(min(2 * r, SKINNY_MAX_M), vocab, dtype=dtype, device=dev)
         self.prop_src, self.prop_dst = (torch.full(((num_loops - 1) * r,), -1, **i64) for _ in range(2))
         # Per launch from the host: the kill mask, and block-table rows that changed since the last launch.
-        layout = {"kill": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}
+        # Per launch from the host: the kill mask, the riders' lanes, and block-table rows that changed.
+        layout = {"kill": (r,), "riders": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}
         self.inputs = _Staging(layout, torch.int32, dev)
         self.init = _Staging(
-            {"i64": (4 + MAX_STOP_IDS, r), "i32": (4, r), "f32": (3, r)}, torch.int64, dev
-        )  # f32 and i32 parts travel as int64 words
+            {"i64": (5 + MAX_STOP_IDS, r), "i32": (4, r), "f32": (3, r)}, torch.int64, dev
+        )  # f32 and i32 parts travel as int64 words; i64's last row: the lane indices (seat)
         pin = dev.type == "cuda"
         self.host_records = torch.zeros(RING, r, 4, dtype=torch.int64, pin_memory=pin)
         self.events = [torch.cuda.Event() if pin else None for _ in range(RING)]
@@ -79,23 +88,7 @@ class DecodeLanes:
         (index of the lane's carried hidden state in the runner's buffers, -1 for none)."""
         n = len(lanes["tok"])
         self.rows = min(_pow2(n), self.max_lanes)
-        a = self.init.begin()
-        i64 = a["i64"]
-        i64[:, :] = 0
-        for j, k in enumerate(("tok", "pos", "kvrow", "cap")):
-            i64[j, :n] = lanes[k]
-        i64[4 : 4 + MAX_STOP_IDS] = -1
-        i64[4 : 4 + MAX_STOP_IDS, :n] = lanes["stop_ids"].T
-        i32, f32 = a["i32"], a["f32"]
-        i32[:, :] = 0
-        for j, k in enumerate(("loop", "lo", "hi")):
-            i32[j, :n] = lanes[k]
-        i32[3, :n] = 1  # active
-        f32[:, :] = 0
-        f32[0, :n] = lanes["log1mq"].view("int32")
-        f32[1, :n] = lanes["temp"].view("int32")
-        self.init.upload()
-        d = self.init.dev
+        d = self._stage(lanes, n, active=1)
         for j, t in enumerate((self.tok, self.pos, self.kvrow, self.cap)):
             t.copy_(d["i64"][j])
         self.stop_ids.copy_(d["i64"][4 : 4 + MAX_STOP_IDS].T)
@@ -104,6 +97,8 @@ class DecodeLanes:
         self.log1mq.copy_(d["f32"][0].to(torch.int32).view(torch.float32))
         self.temp.copy_(d["f32"][1].to(torch.int32).view(torch.float32))
         self.ls.zero_()
+        self.ploop.fill_(-1)
+        self.pdone.zero_()
         if hsrc is not None:
             # Carried rows take their hidden state and log-survival from the last host-driven step.
             has = hsrc >= 0
@@ -113,12 +108,53 @@ class DecodeLanes:
         self.count = 0
         self.launch_inputs(None, table_rows, tables)
 
-    def launch_inputs(self, kill, table_rows, tables) -> None:
-        """Stage the kill mask (lanes the host ended) and the block-table rows that changed."""
+    def seat(self, idx, lanes: dict) -> None:
+        """Give lanes `idx` (numpy) to riders: their requests' fields (`lanes` as in start(), with
+        pos = the prompt's length), idle as lanes until the prompt's last loop."""
+        k = len(idx)
+        d = self._stage(lanes, k, active=0, idx=idx)
+        ix = d["i64"][4 + MAX_STOP_IDS, :k]
+        for j, t in enumerate((self.tok, self.pos, self.kvrow, self.cap)):
+            t.index_copy_(0, ix, d["i64"][j, :k])
+        self.stop_ids.index_copy_(0, ix, d["i64"][4 : 4 + MAX_STOP_IDS, :k].T.contiguous())
+        for j, t in enumerate((self.loop, self.lo, self.hi, self.active)):
+            t.index_copy_(0, ix, d["i32"][j, :k].to(torch.int32))
+        self.log1mq.index_copy_(0, ix, d["f32"][0, :k].to(torch.int32).view(torch.float32))
+        self.temp.index_copy_(0, ix, d["f32"][1, :k].to(torch.int32).view(torch.float32))
+        self.ls.index_fill_(0, ix, 0.0)
+        self.ploop.index_fill_(0, ix, 0)
+        self.pdone.index_fill_(0, ix, 0)
+
+    def _stage(self, lanes: dict, n: int, active: int, idx=None) -> dict:
+        """Upload lane fields for columns [0, n) (zeros beyond); returns the device views."""
+        a = self.init.begin()
+        i64 = a["i64"]
+        i64[:, :] = 0
+        for j, k in enumerate(("tok", "pos", "kvrow", "cap")):
+            i64[j, :n] = lanes[k]
+        i64[4 : 4 + MAX_STOP_IDS] = -1
+        i64[4 : 4 + MAX_STOP_IDS, :n] = lanes["stop_ids"].T
+        if idx is not None:
+            i64[4 + MAX_STOP_IDS, :n] = idx
+        i32, f32 = a["i32"], a["f32"]
+        i32[:, :] = 0
+        for j, k in enumerate(("loop", "lo", "hi")):
+            i32[j, :n] = lanes[k]
+        i32[3, :n] = active
+        f32[:, :] = 0
+        f32[0, :n] = lanes["log1mq"].view("int32")
+        f32[1, :n] = lanes["temp"].view("int32")
+        self.init.upload()
+        return self.init.dev
+
+    def launch_inputs(self, kill, table_rows, tables, riders=()) -> None:
+        """Stage the kill mask (lanes the host ended), the riders' lanes (in their step-row order)
+        and the block-table rows that changed."""
         a = self.inputs.begin()
         a["kill"][:] = 0
         if kill is not None:
             a["kill"][: len(kill)] = kill
+        a["riders"][: len(riders)] = riders
         k = len(table_rows)
         a["rows"][:k] = table_rows
         if k:
@@ -139,6 +175,33 @@ class DecodeLanes:
             g.replay()
         else:
             self._step(rows)
+        return self._emit_records()
+
+    def launch_with_riders(self, riders: list, tables) -> int:
+        """Run one loop for every lane and the riders' prompts (`riders`: RiderRow, in step-row
+        order, staged by launch_inputs too) as one runner step; returns the launch's index."""
+        from ..kernels.lanes import lane_epilogue, pack_lane_step, rider_epilogue  # noqa: PLC0415
+        from ..kernels.sample import sample_gumbel  # noqa: PLC0415
+
+        rows, k, r = self.rows, len(riders), self.runner
+        shape = r.fill_rider_step(rows, riders, tables)
+        rider_lanes, kill = self.inputs.dev["riders"][:k], self.inputs.dev["kill"]
+        run, slot, seeds, temp = pack_lane_step(self, r, kill, rider_lanes, rows, self.block_size)
+        r.run_shape(shape)
+        exits = r.exits[: rows + k].to(torch.int32)
+        logits = self._lm_head(r.x_last[: rows + k], exits)
+        vocab = min(r.sampler.vocab_limit, logits.shape[1])
+        ids = sample_gumbel(logits, temp, seeds, GREEDY_EPS, vocab)
+        src, dst = self.prop_src[: (self.num_loops - 1) * rows], self.prop_dst[: (self.num_loops - 1) * rows]
+        lane_epilogue(self, run, slot, r.ls_prev[:rows], exits, ids, r.h_prev[:rows], rows, self.block_size,
+                      src, dst)  # fmt: skip
+        rider_epilogue(self, r, rider_lanes, exits, ids, rows)
+        propagate_kv(r.kv_cache, src, dst)
+        return self._emit_records()
+
+    def _emit_records(self) -> int:
+        # The launch's records go to the host ring without waiting; result() waits for them.
+        rows = self.rows
         i = self.count % RING
         self.host_records[i, :rows].copy_(self.record[:rows], non_blocking=True)
         if self.events[i] is not None:
@@ -178,7 +241,7 @@ class DecodeLanes:
             t.copy_(s)
 
     def _state(self):
-        return (self.tok, self.pos, self.loop, self.active, self.h, self.ls, self.launches)
+        return (self.tok, self.pos, self.loop, self.active, self.h, self.ls, self.launches, self.ploop)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -187,6 +250,20 @@ class DecodeLanes:
             self.active.zero_()  # so that warm-up and capture write no K/V
             for b in sorted({min(1 << i, self.max_lanes) for i in range(self.max_lanes.bit_length() + 1)}):
                 self._graph(b)
+            self._compile_rider_kernels()
+
+    def _compile_rider_kernels(self) -> None:
+        """Compile the riders' two kernels now (on first use they would stall the first join by
+        ~0.5 s). They run for real on idle lanes, whose state start() and seat() rewrite."""
+        from ..kernels.lanes import pack_lane_step, rider_epilogue  # noqa: PLC0415
+
+        one = self.inputs.dev["riders"][:1]
+        rows = self.rows or 1
+        pack_lane_step(self, self.runner, self.inputs.dev["kill"], one, rows, self.block_size)
+        exits = torch.zeros(rows + 1, dtype=torch.int32, device=self.device)
+        ids = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
+        rider_epilogue(self, self.runner, one, exits, ids, rows)
+        self.ploop.fill_(-1)
 
     def _step(self, rows: int) -> None:
         """One loop for lanes [0, rows): graph-capturable (fixed shapes, no host reads)."""

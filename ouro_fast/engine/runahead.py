@@ -13,9 +13,7 @@ one launch behind: `schedule()` must produce exactly the lanes the device ran
 exits and ids, and the engine applies stop conditions as usual. Tokens are
 therefore identical to the host-driven path (tested). Before each launch the
 host gives every live lane the KV blocks its next tokens can reach and kills the
-lanes of requests that ended on the host (stop strings, aborts). A new request
-ends run-ahead (the in-flight launches are replayed first); the next
-`schedule()` then admits it as usual.
+lanes of requests that ended on the host (stop strings, aborts).
 """
 
 from __future__ import annotations
@@ -27,9 +25,8 @@ import numpy as np
 import torch
 
 from .lanes import MAX_STOP_IDS, RING
+from .riders import RUNNING, Rider, rider_rows
 from .runner import StepResult
-
-RUNNING = 2  # LoopScheduler status of a request holding KV
 
 
 class RunAhead:
@@ -47,16 +44,24 @@ class RunAhead:
         if not 1 <= self.depth < RING:
             raise ValueError(f"run_ahead_depth must be 1..{RING - 1}, got {self.depth}")
         self.lane_of = np.full(engine.scheduler_capacity, -1, np.int64)  # rid -> lane
-        self.launched = 0  # launches of this run (the first replays the schedule made before start)
+        self.launched = 0  # launches of this run
         self.replayed = 0
+        self.presched = 0  # the launch whose schedule was made before it ran (start, join): not redone
+        self.riders: list[Rider] = []  # prompts riding in lanes, with loops still to run
+        n = self.lanes.max_lanes
+        self.span = np.full((n, 2), -1, np.int64)  # per lane: first and last launch of its rider
+        self.rider_off = np.zeros(n, np.int64)  # per lane: its rider's first token in the last step
+        self.handed_back = False  # the run ended with a schedule the host-driven path must execute
         self.total_launches = 0  # over the engine's life (tests, metrics)
         self.runs = 0
+        self.total_riders = 0  # prompts that rode in lanes
+        self.hand_backs = 0  # runs ended by a newcomer that could not ride
 
     # ---- entering -----------------------------------------------------------------------
 
     def eligible(self) -> bool:
         """After schedule(): may the scheduled step start a run-ahead?"""
-        e, s = self.engine, self.engine.scheduler
+        s = self.engine.scheduler
         r = s.num_rows
         if r == 0 or s.num_waiting or r != s.num_running or r > self.lanes.max_lanes:
             return False
@@ -65,13 +70,14 @@ class RunAhead:
         if not self.full_depth and not (s.row_exit_lo[:r] < s.row_exit_hi[:r]).any():
             # Full depth: exits are known in advance and the host path never waits on them.
             return False
-        for rid in s.row_rid[:r]:
-            req = e.by_rid[int(rid)]
-            p = req.params
-            plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0)
-            if p.seed is not None or not plain or len(req.eos_ids) > MAX_STOP_IDS:
-                return False
-        return True
+        return all(self._plain(int(rid)) for rid in s.row_rid[:r])
+
+    def _plain(self, rid: int) -> bool:
+        # Sampling the device does alone: greedy or plain temperature, unseeded, few stop ids.
+        req = self.engine.by_rid[rid]
+        p = req.params
+        plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0)
+        return p.seed is None and plain and len(req.eos_ids) <= MAX_STOP_IDS
 
     @torch.inference_mode()
     def start(self) -> bool:
@@ -80,7 +86,8 @@ class RunAhead:
         e, s, runner = self.engine, self.engine.scheduler, self.engine.runner
         r = s.num_rows
         rids = s.row_rid[:r].astype(np.int64)
-        self.lane_rids = rids
+        self.lane_rids = np.full(self.lanes.max_lanes, -1, np.int64)
+        self.lane_rids[:r] = rids
         if not self._reserve(in_flight=1):
             self.lane_rids = np.zeros(0, np.int64)
             return False
@@ -98,11 +105,13 @@ class RunAhead:
         }  # fmt: skip
         hsrc = torch.from_numpy(s.hidden_src[:r].copy()).to(runner.device)
         self.lane_of[rids] = np.arange(r)
-        self.lane_early = s.row_exit_lo[:r] < s.row_exit_hi[:r]
+        self.lane_early = np.zeros(self.lanes.max_lanes, bool)
+        self.lane_early[:r] = s.row_exit_lo[:r] < s.row_exit_hi[:r]
         slots = np.unique(s.row_kv_slot[:r]).astype(np.int64)
+        self.riders, self.span[:] = [], -1
         self.lanes.start(lanes, hsrc, slots, e.bt.tables)
         self.lanes.launch()
-        self.active, self.launched, self.replayed = True, 1, 0
+        self.active, self.launched, self.replayed, self.presched = True, 1, 0, 0
         self.total_launches += 1
         self.runs += 1
         return True
@@ -111,38 +120,147 @@ class RunAhead:
 
     @torch.inference_mode()
     def step(self) -> list:
-        """Launch the next step (unless winding down), then replay the oldest launch in flight."""
+        """Launch the next step (unless winding down), then replay the oldest launch in flight.
+        With a request waiting (caught up by catch_up()), admit it as a rider or hand back."""
+        if self.engine.scheduler.num_waiting:
+            return self.catch_up() + self._join()
         live = self._live()
         # Wind down once no live lane can exit early: the host path then never waits either.
-        going = (live & (self.lane_early | self.full_depth)).any()
+        going = (live & (self.lane_early | self.full_depth)).any() or bool(self.riders)
         # Keep `depth` launches queued behind the one replayed now.
         while going and self.launched - self.replayed <= self.depth:
             if not self._reserve(in_flight=self.launched - self.replayed + 1):
                 break
-            self.lanes.launch_inputs((~live).astype(np.int32), self._changed_slots, self.engine.bt.tables)
-            self.lanes.launch()
-            self.launched += 1
-            self.total_launches += 1
+            self._launch(live)
         outputs = self._replay()
         if self.replayed == self.launched:
             self._finish()
         return outputs
 
     @torch.inference_mode()
-    def drain(self) -> list:
-        """Replay every launch in flight and hand the batch back to the host-driven path."""
+    def catch_up(self) -> list:
+        """Replay every launch in flight (before a new request reaches the scheduler, whose
+        replayed schedules must not admit it); the lanes stay on the device."""
         outputs = []
-        while self.active:
+        while self.replayed < self.launched:
             outputs += self._replay()
-            if self.replayed == self.launched:
-                self._finish()
         return outputs
+
+    def _launch(self, live: np.ndarray) -> None:
+        """The next launch: the lanes alone, or with the riders that have loops left."""
+        e = self.engine
+        rows = rider_rows(self, self.launched)
+        for rd in rows:
+            self.rider_off[rd.lane] = rd.off
+        kill = (~live).astype(np.int32)
+        self.lanes.launch_inputs(kill, self._changed_slots, e.bt.tables, [rd.lane for rd in rows])
+        if rows:
+            self.lanes.launch_with_riders(rows, e.bt.tables)
+        else:
+            self.lanes.launch()
+        self.launched += 1
+        self.total_launches += 1
+
+    # ---- newcomers ----------------------------------------------------------------------
+
+    def _join(self) -> list:
+        """Schedule the next step with the waiting requests; run it as the lanes plus riders if it is
+        exactly that (whole fresh prompts, free lanes, within the step's buffers), else hand it back."""
+        s = self.engine.scheduler
+        r = s.num_rows
+        last = (s.row_rid[:r].copy(), s.row_tok_off[:r].copy(), s.row_len[:r].copy(), s.row_decode[:r].copy())
+        self._forget_ended_lanes()
+        s.schedule()
+        plan = self._seats()
+        if plan is not None:
+            seats, self.lanes.rows = plan
+            for k, j in seats:
+                self._seat(k, j)
+            if self._reserve(in_flight=1):
+                # The new lanes' block tables go to the device with the launch.
+                slots = [s.kv_slot(int(s.row_rid[k])) for k, _ in seats]
+                self._changed_slots = np.union1d(self._changed_slots, slots).astype(np.int64)
+                self.presched = self.launched
+                self._launch(self._live())
+                return []
+        self._place(*last)
+        self._end()
+        self.handed_back = True
+        self.hand_backs += 1
+        return []
+
+    def _forget_ended_lanes(self) -> None:
+        # Lanes of requests that ended on the host are free (their rids may come back for newcomers).
+        s = self.engine.scheduler
+        for j, rid in enumerate(self.lane_rids):
+            if rid >= 0 and s.status(int(rid)) != RUNNING:
+                self.lane_of[rid] = -1
+                self.lane_rids[j] = -1
+        self.riders = [rd for rd in self.riders if self.lane_rids[rd.lane] == rd.rid]
+
+    def _seats(self) -> tuple[list, int] | None:
+        """([(row, free lane)] for the schedule's new rows, the lane count to run at), or None if
+        the schedule is not the lanes plus riders."""
+        e, s = self.engine, self.engine.scheduler
+        if s.num_waiting or s.num_preempted:
+            return None
+        r, lanes_n = s.num_rows, self.lanes.rows
+        rids = s.row_rid[:r].astype(np.int64)
+        lanes = self.lane_of[rids]
+        new = np.flatnonzero(lanes < 0)
+        free = [j for j in range(lanes_n) if self.lane_rids[j] < 0]
+        # More lanes (the next power of two) when none is free: only with no rider in flight, whose
+        # hidden states sit right after the lanes' tokens.
+        while len(new) > len(free) and lanes_n < self.lanes.max_lanes and not self.riders:
+            lanes_n = min(2 * lanes_n, self.lanes.max_lanes)
+            free = [j for j in range(lanes_n) if self.lane_rids[j] < 0]
+        rows, tokens = lanes_n, lanes_n
+        for k in np.flatnonzero(s.row_decode[:r] == 0):
+            rid, j = int(rids[k]), lanes[k]
+            if j >= 0 and not self._riding(j, self.launched):
+                return None
+            # A newcomer rides only with its whole prompt (not a chunk, not a recomputation).
+            n = s.num_tokens(rid)
+            whole = s.row_loop[k] == 0 and s.row_start[k] == 0 and s.row_len[k] == n
+            if j < 0 and not (whole and n == len(e.by_rid[rid].prompt_ids) and self._plain(rid)):
+                return None
+            rows, tokens = rows + 1, tokens + int(s.row_len[k])
+        runner = e.runner
+        if (s.row_decode[:r][new] != 0).any() or len(new) > len(free):
+            return None
+        if rows > runner.max_rows or tokens > runner.max_tokens:
+            return None
+        return list(zip(new.tolist(), free)), lanes_n
+
+    def _riding(self, lane: int, launch: int) -> bool:
+        return self.span[lane, 0] <= launch <= self.span[lane, 1]
+
+    def _seat(self, k: int, j: int) -> None:
+        """Row k's new request rides in lane j from the next launch on."""
+        e, s = self.engine, self.engine.scheduler
+        rid = int(s.row_rid[k])
+        req = e.by_rid[rid]
+        n = len(req.prompt_ids)
+        stop_ids = np.full((1, MAX_STOP_IDS), -1, np.int64)
+        stop_ids[0, : len(req.eos_ids)] = sorted(req.eos_ids)
+        fields = {
+            "tok": [0], "pos": [n], "kvrow": [s.kv_slot(rid)], "cap": [s.cap(rid)], "stop_ids": stop_ids,
+            "loop": [0], "lo": s.row_exit_lo[k : k + 1], "hi": s.row_exit_hi[k : k + 1],
+            "log1mq": s.row_log1mq[k : k + 1], "temp": e.sampling.temperature[rid : rid + 1],
+        }  # fmt: skip
+        self.lanes.seat(np.array([j], np.int64), fields)
+        self.lane_rids[j], self.lane_of[rid] = rid, j
+        self.lane_early[j] = s.row_exit_lo[k] < s.row_exit_hi[k]
+        self.span[j] = self.launched, self.launched + self.lanes.num_loops - 1
+        ids = np.asarray(req.prompt_ids, np.int64)
+        self.riders.append(Rider(rid=rid, lane=j, ids=ids, kv=s.kv_slot(rid), first=self.launched))
+        self.total_riders += 1
 
     # ---- internals --------------------------------------------------------------------------
 
     def _live(self) -> np.ndarray:
         s = self.engine.scheduler
-        return np.array([s.status(int(rid)) == RUNNING for rid in self.lane_rids], dtype=bool)
+        return np.array([rid >= 0 and s.status(int(rid)) == RUNNING for rid in self.lane_rids], dtype=bool)
 
     def _reserve(self, in_flight: int) -> bool:
         """Blocks for every position a live lane can reach in the launches in flight (one new
@@ -152,7 +270,7 @@ class RunAhead:
         counts = bt.num_blocks_of
         for rid in self.lane_rids:
             rid = int(rid)
-            if s.status(rid) != RUNNING:
+            if rid < 0 or s.status(rid) != RUNNING:
                 continue
             slot = s.kv_slot(rid)
             before = int(counts[slot])
@@ -169,17 +287,20 @@ class RunAhead:
         """Apply the oldest unreplayed launch to the scheduler and the engine, as a host step would."""
         e, s = self.engine, self.engine.scheduler
         t0 = time.perf_counter()
-        if self.replayed > 0:
-            s.schedule()  # the first launch ran the schedule made before start()
+        launch = self.replayed
+        if launch != self.presched:
+            s.schedule()  # the run's first launch and a join's ran a schedule made before them
         t1 = time.perf_counter()
-        rec = self.lanes.result(self.replayed)  # waits for the device: counted as model time
+        rec = self.lanes.result(launch)  # waits for the device: counted as model time
         t2 = time.perf_counter()
         self.replayed += 1
         r = s.num_rows
         if r == 0:
             return []
         lanes = self.lane_of[s.row_rid[:r]]
-        ok = (lanes >= 0).all() and s.num_preempted == 0 and s.row_decode[:r].all()
+        ok = (lanes >= 0).all() and s.num_preempted == 0
+        # Rows other than plain decode rows are prompts riding in their lanes at this launch.
+        ok = ok and all(self._riding(j, launch) for j in lanes[s.row_decode[:r] == 0])
         if not ok or not (rec[lanes, 3] == 1).all() or not (rec[lanes, 0] == s.row_loop[:r]).all():
             raise RuntimeError("run-ahead diverged from the scheduler (a bug): rows and device lanes differ")
         exited = rec[lanes, 1].astype(np.uint8)
@@ -194,18 +315,40 @@ class RunAhead:
     def reset(self) -> None:
         """Forget the lanes without replaying (every request was ended: failure or shutdown)."""
         self.lane_of[:] = -1
-        self.lane_rids = np.zeros(0, np.int64)
-        self.active = False
+        self._end()
 
     def _finish(self) -> None:
         """Leave run-ahead: the host-driven path continues from the last replayed schedule."""
-        s, runner = self.engine.scheduler, self.engine.runner
+        s = self.engine.scheduler
         r = s.num_rows
-        if r:
-            # The next schedule() carries rows by their index in the last step: put the lanes there.
-            perm = torch.from_numpy(self.lane_of[s.row_rid[:r]].copy()).to(runner.device)
-            runner.h_prev[:r] = self.lanes.h[perm]
-            runner.ls_prev[:r] = self.lanes.ls[perm]
-        self.lane_of[self.lane_rids] = -1
+        self._place(s.row_rid[:r], s.row_tok_off[:r], s.row_len[:r], s.row_decode[:r])
+        self._end()
+
+    def _place(self, rids, tok_off, lens, decode) -> None:
+        """Put the carried state of a replayed schedule's rows where the next host-driven schedule()
+        looks for it: hidden states by token index, log-survival at each row's last token."""
+        if len(rids) == 0:
+            return
+        runner, lanes = self.engine.runner, self.lanes
+        n_h, n_ls = lanes.h.shape[0], lanes.ls.shape[0]
+        h_src = np.zeros(int((tok_off + lens).max()), np.int64)
+        ls_src, ls_dst = np.zeros(len(rids), np.int64), (tok_off + lens - 1).astype(np.int64)
+        for k, j in enumerate(self.lane_of[rids]):
+            o, n = int(tok_off[k]), int(lens[k])
+            if decode[k]:
+                h_src[o], ls_src[k] = j, j
+            else:  # a rider: its prompt's states are the runner's, at its tokens in the last step
+                off = int(self.rider_off[j])
+                h_src[o : o + n] = n_h + off + np.arange(n)
+                ls_src[k] = n_ls + off + n - 1
+        dev = runner.device
+        h_all = torch.cat([lanes.h, runner.h_prev])
+        runner.h_prev[: len(h_src)] = h_all[torch.from_numpy(h_src).to(dev)]
+        ls_all = torch.cat([lanes.ls, runner.ls_prev])
+        runner.ls_prev[torch.from_numpy(ls_dst).to(dev)] = ls_all[torch.from_numpy(ls_src).to(dev)]
+
+    def _end(self) -> None:
+        self.lane_of[self.lane_rids[self.lane_rids >= 0]] = -1
         self.lane_rids = np.zeros(0, np.int64)
+        self.riders, self.span[:] = [], -1
         self.active = False

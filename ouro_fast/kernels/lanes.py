@@ -149,3 +149,148 @@ def lane_epilogue(lanes, run, slot, log_surv, exits, ids, x, rows: int, block_si
         lanes.record, src, dst, rows, hidden,
         BS=block_size, T=t, NUM_STOP=num_stop, BLOCK_H=min(1024, next_pow2(hidden)),
     )  # fmt: skip
+
+
+# ---- prompts riding in the lanes' launches (engine/riders.py) -----------------------------------------
+
+
+# R (the lane count) is not specialised: one compiled variant for every lane count, warmed at start-up.
+@triton.jit(do_not_specialize=["R"])
+def _pack_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, launches_ptr, lo_ptr, hi_ptr,
+                 log1mq_ptr, ls_ptr, temp_ptr, ploop_ptr, pdone_ptr, rider_ptr, tables_ptr, stride_ts,
+                 stride_tl, h_lane_ptr, stride_hl, ids_ptr, spos_ptr, sslot_ptr, hsrc_ptr, last_ptr,
+                 prev_last_ptr, store_ptr, qstart_ptr, len_ptr, tokoff_ptr, sloop_ptr, slo_ptr, shi_ptr,
+                 slog1mq_ptr, bt_ptr, h_prev_ptr, stride_hp, ls_prev_ptr, run_out_ptr, slot_out_ptr,
+                 seed_out_ptr, temp_out_ptr, R, MB, HIDDEN, seed_base, BS: tl.constexpr, T: tl.constexpr,
+                 BLOCK_MB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    # Programs [0, R): lane r writes its row r and token r of the step's input buffers (the rows past
+    # R were staged by the host). Programs R + i: rider i's row, which the host staged, loses its
+    # tokens if the rider stopped on the device, and its exit bounds once its first token is out.
+    p = tl.program_id(0)
+    launch = tl.load(launches_ptr)
+    if p < R:
+        r = p
+        run = (tl.load(active_ptr + r) != 0) & (tl.load(kill_ptr + r) == 0)
+        loop = tl.load(loop_ptr + r)
+        pos = tl.load(pos_ptr + r)
+        kv = tl.maximum(tl.load(kvrow_ptr + r), 0)
+        table = tables_ptr + kv * stride_ts + tl.minimum(loop, T - 1).to(tl.int64) * stride_tl
+        for start in range(0, MB, BLOCK_MB):
+            offs = start + tl.arange(0, BLOCK_MB)
+            tl.store(bt_ptr + r * MB + offs, tl.load(table + offs, mask=offs < MB), mask=offs < MB)
+        slot = tl.load(table + pos // BS).to(tl.int64) * BS + pos % BS
+        slot = tl.where(run, slot, -1)
+        carried = loop > 0
+        tl.store(ids_ptr + r, tl.load(tok_ptr + r))
+        tl.store(spos_ptr + r, pos)
+        tl.store(sslot_ptr + r, slot)
+        tl.store(hsrc_ptr + r, tl.where(carried, r, -1).to(tl.int64))
+        tl.store(last_ptr + r, r.to(tl.int64))
+        tl.store(prev_last_ptr + r, tl.where(carried, r, -1).to(tl.int64))
+        tl.store(store_ptr + r, r.to(tl.int64))
+        tl.store(qstart_ptr + r, pos.to(tl.int32))
+        tl.store(len_ptr + r, run.to(tl.int32))
+        tl.store(tokoff_ptr + r, r)
+        tl.store(sloop_ptr + r, loop)
+        # Lanes that do not run never exit (the host path's padding rows: NO_EXIT).
+        tl.store(slo_ptr + r, tl.where(run, tl.load(lo_ptr + r), 127))
+        tl.store(shi_ptr + r, tl.where(run, tl.load(hi_ptr + r), 127))
+        tl.store(slog1mq_ptr + r, tl.load(log1mq_ptr + r).to(tl.int32, bitcast=True))
+        for start in range(0, HIDDEN, BLOCK_H):
+            offs = start + tl.arange(0, BLOCK_H)
+            m = offs < HIDDEN
+            h = tl.load(h_lane_ptr + r * stride_hl + offs, mask=m)
+            tl.store(h_prev_ptr + r * stride_hp + offs, h, mask=m)
+        tl.store(ls_prev_ptr + r, tl.load(ls_ptr + r))
+        tl.store(run_out_ptr + r, run.to(tl.int32))
+        tl.store(slot_out_ptr + r, slot)
+        j = r
+    else:
+        j = tl.load(rider_ptr + p - R)
+        dead = (tl.load(kill_ptr + j) != 0) | (tl.load(ploop_ptr + j) < 0)
+        done = tl.load(pdone_ptr + j) != 0
+        if dead:
+            off = tl.load(tokoff_ptr + p)
+            n = tl.load(len_ptr + p)
+            for start in range(0, n, BLOCK_T):
+                offs = start + tl.arange(0, BLOCK_T)
+                tl.store(sslot_ptr + off + offs, tl.full([BLOCK_T], -1, tl.int64), mask=offs < n)
+            tl.store(len_ptr + p, 0)
+        # The first token samples once: later loops of the prompt never exit (NO_EXIT).
+        no_exit = dead | done
+        tl.store(slo_ptr + p, tl.where(no_exit, 127, tl.load(lo_ptr + j)))
+        tl.store(shi_ptr + p, tl.where(no_exit, 127, tl.load(hi_ptr + j)))
+        tl.store(slog1mq_ptr + p, tl.load(log1mq_ptr + j).to(tl.int32, bitcast=True))
+    # Philox key per (launch, lane), as in the lane prologue: a rider samples with its lane's key.
+    seed = seed_base + launch * 0x2545F4914F6CDD1D + j.to(tl.int64) * 0x5851F42D4C957F2D
+    tl.store(seed_out_ptr + p, seed & 0x3FFFFFFFFFFFFFFF)
+    tl.store(temp_out_ptr + p, tl.load(temp_ptr + j))
+
+
+@triton.jit(do_not_specialize=["R"])
+def _rider_epilogue_kernel(rider_ptr, len_ptr, exits_ptr, ids_ptr, ploop_ptr, pdone_ptr, tok_ptr, pos_ptr,
+                           cap_ptr, stop_ptr, loop_ptr, active_ptr, ls_ptr, record_ptr, R,
+                           T: tl.constexpr, NUM_STOP: tl.constexpr):  # fmt: skip
+    # Rider i (step row R + i, lane j): its record, its first token, and its next loop; after the
+    # prompt's last loop the lane starts decoding the first token (unless that token stops it).
+    i = tl.program_id(0)
+    row = R + i
+    j = tl.load(rider_ptr + i)
+    live = tl.load(len_ptr + row) > 0
+    exits = live & (tl.load(exits_ptr + row) != 0)
+    token = tl.load(ids_ptr + row)
+    loop = tl.load(ploop_ptr + j)
+    tl.store(record_ptr + j * 4, loop.to(tl.int64))
+    tl.store(record_ptr + j * 4 + 1, exits.to(tl.int64))
+    tl.store(record_ptr + j * 4 + 2, token)
+    tl.store(record_ptr + j * 4 + 3, live.to(tl.int64))
+    if live:
+        # The lanes' stop rules for the first token (at position pos - 1 of the prompt's last token).
+        stop = exits & (tl.load(pos_ptr + j) + 1 >= tl.load(cap_ptr + j))
+        for e in tl.static_range(NUM_STOP):
+            stop = stop | (exits & (tl.load(stop_ptr + j * NUM_STOP + e) == token))
+        done = exits | (tl.load(pdone_ptr + j) != 0)
+        if exits:
+            tl.store(tok_ptr + j, token)
+            tl.store(pdone_ptr + j, 1)
+        last = loop + 1 >= T
+        tl.store(ploop_ptr + j, tl.where(stop | last, -1, loop + 1))
+        if last & done & ~stop:
+            tl.store(loop_ptr + j, 0)
+            tl.store(ls_ptr + j, 0.0)
+            tl.store(active_ptr + j, 1)
+
+
+def pack_lane_step(lanes, runner, kill, riders, rows: int, block_size: int):
+    """Write lanes [0, rows)'s rows and tokens into the runner's step buffers (the rows of the riders
+    `riders` [K] int32 lane indices follow, staged by the host) and return the per-row (run, slot,
+    seeds, temperature) of rows [0, rows + K) for the sampler and the epilogues."""
+    dev, hidden = lanes.h.device, lanes.h.shape[1]
+    t, mb = lanes.tables.shape[1], lanes.tables.shape[2]
+    k = riders.shape[0]
+    a, b = runner.i64.dev, runner.i32.dev
+    run = torch.zeros(rows, dtype=torch.int32, device=dev)
+    slot = torch.empty(rows, dtype=torch.int64, device=dev)
+    seeds = torch.empty(rows + k, dtype=torch.int64, device=dev)
+    temp = torch.empty(rows + k, dtype=torch.float32, device=dev)
+    bt = b["bt"]
+    _pack_kernel[(rows + k,)](
+        lanes.active, kill, lanes.loop, lanes.pos, lanes.kvrow, lanes.tok, lanes.launches, lanes.lo, lanes.hi,
+        lanes.log1mq, lanes.ls, lanes.temp, lanes.ploop, lanes.pdone, riders, lanes.tables,
+        lanes.tables.stride(0), lanes.tables.stride(1), lanes.h, lanes.h.stride(0), a["ids"], a["pos"],
+        a["slot"], a["hsrc"], a["last"], a["prev_last"], a["store"], b["q_start"], b["len"], b["tok_off"],
+        b["loop"], b["lo"], b["hi"], b["log1mq"], bt, runner.h_prev, runner.h_prev.stride(0),
+        runner.ls_prev, run, slot, seeds, temp, rows, bt.shape[1], hidden, lanes.seed,
+        BS=block_size, T=t, BLOCK_MB=min(1024, next_pow2(mb)), BLOCK_H=min(1024, next_pow2(hidden)),
+        BLOCK_T=128,
+    )  # fmt: skip
+    return run, slot, seeds, temp
+
+
+def rider_epilogue(lanes, runner, riders, exits, ids, rows: int) -> None:
+    """Records and next state of the riders (step rows rows + i); after the lane epilogue."""
+    t, num_stop = lanes.tables.shape[1], lanes.stop_ids.shape[1]
+    _rider_epilogue_kernel[(riders.shape[0],)](
+        riders, runner.i32.dev["len"], exits, ids, lanes.ploop, lanes.pdone, lanes.tok, lanes.pos, lanes.cap,
+        lanes.stop_ids, lanes.loop, lanes.active, lanes.ls, lanes.record, rows, T=t, NUM_STOP=num_stop,
+    )  # fmt: skip

@@ -183,6 +183,11 @@ class ServerMetrics:
                 "Times run-ahead decode started; steps over runs is the mean run length.",
                 eng.run_ahead_runs,
             ),
+            (
+                "ouro_fast:run_ahead_riders_total",
+                "Prompts that ran their loops in run-ahead launches (arrivals that did not end a run).",
+                eng.run_ahead_riders,
+            ),
             ("vllm:num_preemptions_total", "Requests preempted to free KV (vLLM's name).", eng.preemptions),
             ("ouro_fast:owner_wakeups_total", "Loop iterations of the engine-owner thread.", eng.wakeups),
             (
