@@ -135,7 +135,7 @@ def test_propagation_pairs_keep_one_aligned_layout(model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles kernels only on a GPU")
 def test_no_kernel_compiles_after_start_up(model_dir, monkeypatch):
     # A compile on first use stalls every request of that step (0.1-0.4 s on the H200): early exits
-    # (propagation), temperature sampling, a request joining a run-ahead batch, prompts of several
+    # (propagation), temperature sampling, prompts riding in a run-ahead batch, prompts of several
     # lengths all run on kernels compiled at start-up.
     from triton.runtime.jit import JITFunction
 
@@ -152,11 +152,15 @@ def test_no_kernel_compiles_after_start_up(model_dir, monkeypatch):
     for temperature in (0.0, 0.8):
         params = SamplingParams(max_tokens=8, temperature=temperature, exit_threshold=0.5, ignore_eos=True)
         engine.add_request(f"a{temperature}", PROMPTS[0], params)
-        for _ in range(6):
+        for _ in range(12):  # until the decode runs ahead, so that the next prompts ride in it
+            if engine.ahead.active:
+                break
             engine.step()
+        assert engine.ahead.active
         engine.add_request(f"b{temperature}", PROMPTS[2], params)
         engine.add_request(f"c{temperature}", PROMPTS[1], params)
         while engine.has_unfinished_requests():
             engine.step()
     assert engine.ahead.total_launches > 0 and sum(engine.stats.exit_depth_histogram[:-1]) > 0
+    assert engine.ahead.total_riders == 4  # the later prompts rode in the lanes
     assert compiled == []

@@ -215,9 +215,18 @@ def test_kv_pressure_falls_back_to_the_host_path_with_same_tokens(model_dir):
     # 24 blocks of 4 tokens over 4 loops: 6 positions-blocks per loop, so requests preempt each other.
     kw = dict(num_kv_blocks=24, block_size=4)
     reqs = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])]
-    want = tokens(run(engine(model_dir, run_ahead=False, **kw), reqs))
+    late = ("late", [3, 1, 4], greedy(3))
+    want = tokens(run(engine(model_dir, run_ahead=False, **kw), reqs + [late]))
     eng = engine(model_dir, **kw)
-    assert tokens(run(eng, reqs)) == want
+
+    def add_late(e):
+        # A newcomer in a tight pool: it rides, or the run hands back, with the same tokens.
+        if e.ahead.active and e.ahead.launched >= 2:
+            e.add_request(*late)
+            return True
+        return False
+
+    assert tokens(run(eng, reqs, hook=add_late)) == want
 
 
 def test_sampled_lanes_draw_differently_per_lane(model_dir):
