@@ -95,6 +95,7 @@ class LoopScheduler:
     _num_pend: cython.int
     _off: cython.int  # tokens placed so far in the step being scheduled
     _epoch: cython.int[:]  # bumped when a request loses its KV, so stale propagation is dropped
+    _held: cython.int[:]  # 1: neither admitted nor started by schedule() (run-ahead seats it itself)
 
     # Step outputs (read-only for the caller, valid until the next call).
     num_rows = cython.declare(cython.int, visibility="readonly")
@@ -199,6 +200,7 @@ class LoopScheduler:
         self._pend_rid, self._pend_epoch = i32(pend), i32(pend)
         self._pend_pos, self._pend_loop = i32(pend), i32(pend)
         self._epoch = i32(max_requests)
+        self._held = i32(max_requests)
         self._num_pend = 0
         self._alloc_outputs()
 
@@ -278,9 +280,32 @@ class LoopScheduler:
         self.arrivals += 1
         self._row_loop[rid] = -1
         self._kv_slot[rid] = -1
+        self._held[rid] = 0
         self._status[rid] = WAITING
         self._wait_push(rid, False)
         return rid
+
+    def hold(self, rid: int, held: bool) -> None:
+        """While held, schedule() neither admits the request nor starts its rows: run-ahead decides
+        at which launch its prompt starts (engine/riders.py), and releases it for that step."""
+        self._held[rid] = 1 if held else 0
+
+    def admit_now(self, rid: int) -> bool:
+        """Admit the request at the head of the waiting queue without starting a row: a KV slot and
+        blocks for its known tokens at every loop. False, changing nothing, if none are free."""
+        if self._status[rid] != WAITING or self._wait_count == 0 or self._waiting[self._wait_head] != rid:
+            return False
+        if self._num_free_slots == 0:
+            return False
+        self._admit(rid)
+        if not self.bt.allocate(self._kv_slot[rid], self._num_tokens[rid]):
+            self._release_slot(rid, False)
+            self._status[rid] = WAITING
+            return False
+        self._load_slot(rid)
+        self._wait_pop()
+        self._num_waiting -= 1
+        return True
 
     def finish(self, rid: int) -> None:
         """Drop a request wherever it is (finished by the engine, or aborted): frees its KV and rid."""
@@ -529,7 +554,7 @@ class LoopScheduler:
             rid = self._running[k]
             k += 1
             n = self._num_tokens[rid] - self._num_done[rid]
-            if self._row_loop[rid] >= 0 or n <= 0 or (n > 1) != prefill:
+            if self._row_loop[rid] >= 0 or n <= 0 or (n > 1) != prefill or self._held[rid]:
                 continue
             n = self._chunk_len(rid, self.max_tokens - off)
             if not self._reserve(rid, self._num_done[rid] + n, k - 1):
@@ -557,7 +582,8 @@ class LoopScheduler:
             victim = -1
             k = self._num_running - 1
             while k > index:
-                if self._row_loop[self._running[k]] < 0:
+                # A held request may have a launch in flight writing its blocks.
+                if self._row_loop[self._running[k]] < 0 and not self._held[self._running[k]]:
                     victim = self._running[k]
                     break
                 k -= 1
@@ -574,7 +600,7 @@ class LoopScheduler:
         n: cython.int
         while self._wait_count > 0 and r < self.max_rows and off < self.max_tokens:
             rid = self._waiting[self._wait_head]
-            if self._num_free_slots == 0:
+            if self._num_free_slots == 0 or self._held[rid]:
                 break
             n = self._chunk_len(rid, self.max_tokens - off)
             self._admit(rid)

@@ -157,10 +157,13 @@ def test_no_kernel_compiles_after_start_up(model_dir, monkeypatch):
                 break
             engine.step()
         assert engine.ahead.active
-        engine.add_request(f"b{temperature}", PROMPTS[2], params)
-        engine.add_request(f"c{temperature}", PROMPTS[1], params)
+        engine.add_request(f"b{temperature}", PROMPTS[1], params)  # these two ride in the lanes
+        engine.add_request(f"c{temperature}", PROMPTS[0], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.add_request(f"d{temperature}", PROMPTS[2], params)  # longer than a step: chunked
         while engine.has_unfinished_requests():
             engine.step()
     assert engine.ahead.total_launches > 0 and sum(engine.stats.exit_depth_histogram[:-1]) > 0
-    assert engine.ahead.total_riders == 4  # the later prompts rode in the lanes
+    assert engine.ahead.total_riders == 4
     assert compiled == []

@@ -642,3 +642,52 @@ def test_no_refill_drains_the_batch(impl):
     assert loops[4:] == [[(fast, 0), (slow, 0)], [(slow, 1)], [(slow, 2)], [(slow, 3)], [(fast, 0)], []]
     assert events == [(fast, 0, 0), (slow, 3, 0), (fast, 0, 0), (slow, 3, 1), (fast, 0, 1)]
     assert s.status(fast) == s.status(slow) == FREE and bt.num_free_blocks == 64
+
+
+@IMPLS
+def test_held_request_is_admitted_and_started_only_when_released(impl):
+    """Run-ahead's seating: a held request is not admitted by schedule(); admit_now gives it KV
+    without a row; its prompt row starts at the first schedule() after it is released."""
+    bt_mod, ls_mod = impl
+    bt = bt_mod.BlockTable(64, 4, T, 3, 4)
+    s = ls_mod.LoopScheduler(bt, 3, 3, 16)
+    first = s.add(np.array([5, 6], np.int32), 6, 1, T, 0.0)
+    held = s.add(np.array([7, 8, 9], np.int32), 6, 1, T, 0.0)
+    s.hold(held, True)
+    assert s.schedule() == 1 and s.row_rid[0] == first and s.status(held) == WAITING
+    late = s.add(np.array([1], np.int32), 3, 1, T, 0.0)
+    assert s.admit_now(late) is False  # not at the head of the queue: changes nothing
+    assert s.admit_now(held) is True
+    assert s.status(held) == RUNNING and s.kv_slot(held) >= 0 and s.num_waiting == 1
+    assert bt.num_blocks_of[s.kv_slot(held)] == 1  # 3 tokens: one block of 4 at every loop
+    s.hold(late, True)
+    s.update(np.zeros(1, np.uint8), np.zeros(1, np.int32))
+    n = s.schedule()  # `first` continues; the admitted request still has no row
+    assert n == 1 and s.row_rid[0] == first and s.status(late) == WAITING
+    s.update(np.zeros(1, np.uint8), np.zeros(1, np.int32))
+    s.hold(held, False)
+    n = s.schedule()
+    rows = dict(zip(s.row_rid[:n].tolist(), zip(s.row_loop[:n].tolist(), s.row_len[:n].tolist())))
+    assert rows == {first: (2, 2), held: (0, 3)}  # the whole prompt at loop 0
+    s.finish(late)
+    assert s.num_waiting == 0 and s.admit_now(late) is False
+
+
+@IMPLS
+def test_admit_now_changes_nothing_without_a_slot_or_blocks(impl):
+    bt_mod, ls_mod = impl
+    bt = bt_mod.BlockTable(8, 4, T, 2, 2)  # two KV slots, two blocks per loop in the whole pool
+    s = ls_mod.LoopScheduler(bt, 4, 1, 16)  # one row: one slot for the scheduler
+    a = s.add(np.arange(5, dtype=np.int32), 8, 1, T, 0.0)
+    b = s.add(np.array([3, 4], np.int32), 4, 1, T, 0.0)
+    assert s.admit_now(a) is True and bt.num_free_blocks == 0
+    assert s.admit_now(b) is False and s.status(b) == WAITING and s.kv_slot(b) == -1  # no slot
+    s.finish(a)
+    s2 = ls_mod.LoopScheduler(bt_mod.BlockTable(8, 4, T, 2, 2), 4, 2, 16)
+    a = s2.add(np.arange(5, dtype=np.int32), 8, 1, T, 0.0)
+    b = s2.add(np.array([3, 4], np.int32), 4, 1, T, 0.0)
+    assert s2.admit_now(a) is True
+    assert s2.admit_now(b) is False  # a slot, but no blocks
+    assert s2.status(b) == WAITING and s2.kv_slot(b) == -1 and s2.num_waiting == 1 and s2.num_running == 1
+    s2.finish(a)
+    assert s2.admit_now(b) is True and s2.status(b) == RUNNING and s2.num_waiting == 0

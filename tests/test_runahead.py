@@ -103,24 +103,28 @@ def test_stop_ids_on_the_device_and_stop_strings_on_the_host(model_dir):
     assert ahead.ahead.total_launches > 0
 
 
-def test_request_arriving_mid_run_rides_in_a_lane_with_same_tokens(model_dir):
-    late = ("late", PROMPTS[2], greedy(4))
-    early = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])]
+def test_request_arriving_mid_run_rides_in_a_free_lane_at_once(model_dir):
+    # Three lanes of four busy: the newcomer is seated in the next launch, nothing replayed first.
+    late = ("late", [9, 8, 7, 6], greedy(4))
+    early = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS)]
     want = tokens(run(engine(model_dir, run_ahead=False), early + [late]))
     eng = engine(model_dir)
+    seen = {}
 
     def add_late(e):
-        # Once a run-ahead is under way: the launches in flight are replayed, the run goes on.
-        if e.ahead.active and e.ahead.launched >= 3:
+        if "in flight" not in seen and e.ahead.active and e.ahead.launched >= 3:
             e.add_request(*late)
-            assert e.ahead.active and e.ahead.launched == e.ahead.replayed
+            seen["in flight"] = e.ahead.launched - e.ahead.replayed  # the arrival waited for nothing
+            return False
+        if "in flight" in seen:
+            seen["seated"] = not e.ahead.arrivals and e.ahead.total_riders == 1  # after one step
             return True
         return False
 
     got = tokens(run(eng, early, hook=add_late))
     assert got == want
-    # Both lanes were busy: the lanes doubled, and the prompt rode in a third one.
-    assert eng.ahead.total_riders == 1 and eng.ahead.runs == 1
+    assert seen == {"in flight": 1, "seated": True}
+    assert eng.ahead.runs == 1 and eng.ahead.catch_ups == 0 and eng.ahead.hand_backs == 0
 
 
 def test_riders_join_together_and_while_others_ride(model_dir):
@@ -146,6 +150,8 @@ def test_riders_join_together_and_while_others_ride(model_dir):
     assert got == want
     assert got["b"][0] == [b_first] and got["b"][2] == "stop" and got["c"][0] == want["c"][0]
     assert seen["riding"] >= 1 and eng.ahead.total_riders == 3 and eng.ahead.runs == 1
+    # One lane busy: a and b made the host catch up and double the lanes twice; c took a free lane.
+    assert eng.ahead.catch_ups == 1
 
 
 def test_a_newcomer_that_cannot_ride_hands_back_mid_ride_with_same_tokens(model_dir):

@@ -76,6 +76,7 @@ class Request:
     text: str = ""
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    exit_window: tuple[int, int, float] = (0, 0, 0.0)  # 0-based loops it may exit at, log(1 - q)
 
 
 def _pick_device(name: str) -> torch.device:
@@ -205,9 +206,6 @@ class Engine:
     ) -> None:
         """Queue a request. Raises ValueError (a client error) or OverflowError (queue full)."""
         params = params or SamplingParams()
-        if self.ahead is not None and self.ahead.active:
-            # Launches in flight are replayed first: their schedules must not admit this request.
-            self.pending += self.ahead.catch_up()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate(self.num_loops)
@@ -218,7 +216,8 @@ class Engine:
         cap = len(prompt_ids) + params.max_tokens
         eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
         req = Request(request_id, -1, list(prompt_ids), params, eos | frozenset(params.stop_token_ids))
-        rid = self.scheduler.add(np.asarray(prompt_ids, dtype=np.int32), cap, lo, hi, log_one_minus(q))
+        req.exit_window = (lo - 1, hi - 1, log_one_minus(q))
+        rid = self.scheduler.add(np.asarray(prompt_ids, dtype=np.int32), cap, lo, hi, req.exit_window[2])
         req.rid = rid
         try:
             s = self.sampling
@@ -232,6 +231,8 @@ class Engine:
             raise
         self.requests[request_id] = req
         self.by_rid[rid] = req
+        if self.ahead is not None and self.ahead.active:
+            self.ahead.arrive(rid)  # the device runs ahead of the scheduler: it picks the launch
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-RUNNING = 2  # LoopScheduler status of a request holding KV
+WAITING, RUNNING = 1, 2  # LoopScheduler statuses: queued, holding KV
 
 
 @dataclass

@@ -7,6 +7,17 @@ decides exits, samples and moves every lane to its next loop on the device. The
 host launches step k+1 first and only then reads step k's records, so the GPU
 never idles while the host learns the exits, samples or detokenizes.
 
+A new request does not end the run: its prompt rides in a free lane
+(engine/riders.py) until its last loop, when the lane starts decoding its first
+token. The scheduler holds it (no replayed schedule may admit it); the next step
+gives it KV at once and seats it in the next launch, and the replay of that
+launch releases it, so that schedule() starts its prompt row there, as the device
+did. A newcomer that cannot ride so (no free lane, sampling the device cannot do,
+no room in the step) makes the host catch up: every launch in flight is replayed,
+the next schedule() admits the waiting requests, and the lanes take that step if
+it is the lanes plus whole fresh prompts (doubling the lanes if need be), or the
+host-driven path takes it.
+
 The host stays the source of truth by replaying each launch into the scheduler
 one launch behind: `schedule()` must produce exactly the lanes the device ran
 (checked: loop and liveness of every row), then `update()` takes the recorded
@@ -25,7 +36,7 @@ import numpy as np
 import torch
 
 from .lanes import MAX_STOP_IDS, RING
-from .riders import RUNNING, Rider, rider_rows
+from .riders import RUNNING, WAITING, Rider, rider_rows
 from .runner import StepResult
 
 
@@ -52,10 +63,14 @@ class RunAhead:
         self.span = np.full((n, 2), -1, np.int64)  # per lane: first and last launch of its rider
         self.rider_off = np.zeros(n, np.int64)  # per lane: its rider's first token in the last step
         self.handed_back = False  # the run ended with a schedule the host-driven path must execute
+        self.arrivals: list[int] = []  # rids added during the run, held in the scheduler, not seated yet
+        self.release: dict[int, list] = {}  # launch -> (rid, request) whose prompt row starts there
+        self._new_slots: list[int] = []  # KV slots of seated riders: their tables go with the next launch
         self.total_launches = 0  # over the engine's life (tests, metrics)
         self.runs = 0
         self.total_riders = 0  # prompts that rode in lanes
         self.hand_backs = 0  # runs ended by a newcomer that could not ride
+        self.catch_ups = 0  # arrivals that made the host replay every launch in flight first
 
     # ---- entering -----------------------------------------------------------------------
 
@@ -118,12 +133,20 @@ class RunAhead:
 
     # ---- one engine step ------------------------------------------------------------------
 
+    def arrive(self, rid: int) -> None:
+        """A request added during the run: held in the scheduler until a step seats it."""
+        self.engine.scheduler.hold(rid, True)
+        self.arrivals.append(rid)
+
     @torch.inference_mode()
     def step(self) -> list:
         """Launch the next step (unless winding down), then replay the oldest launch in flight.
-        With a request waiting (caught up by catch_up()), admit it as a rider or hand back."""
-        if self.engine.scheduler.num_waiting:
-            return self.catch_up() + self._join()
+        An arrival rides from the next launch on, or the host catches up and schedules it."""
+        if self.arrivals and not self._seat_arrivals():
+            outputs = self.catch_up()  # before the release: the replayed schedules must not admit it
+            self.catch_ups += 1
+            self._release_arrivals()
+            return outputs + self._join()
         live = self._live()
         # Wind down once no live lane can exit early: the host path then never waits either.
         going = (live & (self.lane_early | self.full_depth)).any() or bool(self.riders)
@@ -153,7 +176,9 @@ class RunAhead:
         for rd in rows:
             self.rider_off[rd.lane] = rd.off
         kill = (~live).astype(np.int32)
-        self.lanes.launch_inputs(kill, self._changed_slots, e.bt.tables, [rd.lane for rd in rows])
+        slots = np.union1d(self._changed_slots, self._new_slots).astype(np.int64)
+        self._new_slots = []
+        self.lanes.launch_inputs(kill, slots, e.bt.tables, [rd.lane for rd in rows])
         if rows:
             self.lanes.launch_with_riders(rows, e.bt.tables)
         else:
@@ -162,6 +187,49 @@ class RunAhead:
         self.total_launches += 1
 
     # ---- newcomers ----------------------------------------------------------------------
+
+    def _seat_arrivals(self) -> bool:
+        """Seat arrivals, in order, in free lanes from the next launch on, without waiting for the
+        launches in flight: KV now, each prompt row released at that launch's replay. An arrival
+        that fits once the prompts riding now are done waits (at most a prompt's loops); False,
+        with none seated, if the first cannot ride so (the caller catches up instead)."""
+        s = self.engine.scheduler
+        self.arrivals = [rid for rid in self.arrivals if s.status(rid) == WAITING]  # drop aborted ones
+        self._forget_ended_lanes()
+        seated = 0
+        while self.arrivals:
+            verdict = self._try_seat(self.arrivals[0])
+            if verdict == "wait" or (verdict == "no" and seated):
+                return True  # held for a later step (after this step's launch, catching up is safe)
+            if verdict == "no":
+                return False
+            self.arrivals.pop(0)
+            seated += 1
+        return True
+
+    def _try_seat(self, rid: int) -> str:
+        """'seated', 'wait' (the step is full of riding prompts) or 'no'."""
+        e, s = self.engine, self.engine.scheduler
+        free = [j for j in range(self.lanes.rows) if self.lane_rids[j] < 0]
+        if not free or not self._plain(rid):
+            return "no"
+        # The step: the lanes' tokens and every rider's prompt (those seated before ride this launch too).
+        tokens = self.lanes.rows + sum(len(rd.ids) for rd in self.riders) + s.num_tokens(rid)
+        rows = self.lanes.rows + len(self.riders) + 1
+        if tokens > e.runner.max_tokens or rows > e.runner.max_rows:
+            return "wait" if self.riders else "no"
+        if not s.admit_now(rid):
+            return "no"
+        self._seat(rid, free[0])
+        self.release.setdefault(self.launched, []).append((rid, e.by_rid[rid]))
+        return "seated"
+
+    def _release_arrivals(self) -> None:
+        s = self.engine.scheduler
+        for rid in self.arrivals:
+            if s.status(rid) == WAITING:
+                s.hold(rid, False)
+        self.arrivals = []
 
     def _join(self) -> list:
         """Schedule the next step with the waiting requests; run it as the lanes plus riders if it is
@@ -175,11 +243,8 @@ class RunAhead:
         if plan is not None:
             seats, self.lanes.rows = plan
             for k, j in seats:
-                self._seat(k, j)
+                self._seat(int(s.row_rid[k]), j)
             if self._reserve(in_flight=1):
-                # The new lanes' block tables go to the device with the launch.
-                slots = [s.kv_slot(int(s.row_rid[k])) for k, _ in seats]
-                self._changed_slots = np.union1d(self._changed_slots, slots).astype(np.int64)
                 self.presched = self.launched
                 self._launch(self._live())
                 return []
@@ -235,26 +300,27 @@ class RunAhead:
     def _riding(self, lane: int, launch: int) -> bool:
         return self.span[lane, 0] <= launch <= self.span[lane, 1]
 
-    def _seat(self, k: int, j: int) -> None:
-        """Row k's new request rides in lane j from the next launch on."""
+    def _seat(self, rid: int, j: int) -> None:
+        """Request rid (admitted, its prompt not started) rides in lane j from the next launch on."""
         e, s = self.engine, self.engine.scheduler
-        rid = int(s.row_rid[k])
         req = e.by_rid[rid]
         n = len(req.prompt_ids)
         stop_ids = np.full((1, MAX_STOP_IDS), -1, np.int64)
         stop_ids[0, : len(req.eos_ids)] = sorted(req.eos_ids)
+        lo, hi, log1mq = req.exit_window
         fields = {
             "tok": [0], "pos": [n], "kvrow": [s.kv_slot(rid)], "cap": [s.cap(rid)], "stop_ids": stop_ids,
-            "loop": [0], "lo": s.row_exit_lo[k : k + 1], "hi": s.row_exit_hi[k : k + 1],
-            "log1mq": s.row_log1mq[k : k + 1], "temp": e.sampling.temperature[rid : rid + 1],
+            "loop": [0], "lo": [lo], "hi": [hi], "log1mq": np.array([log1mq], np.float32),
+            "temp": e.sampling.temperature[rid : rid + 1],
         }  # fmt: skip
         self.lanes.seat(np.array([j], np.int64), fields)
         self.lane_rids[j], self.lane_of[rid] = rid, j
-        self.lane_early[j] = s.row_exit_lo[k] < s.row_exit_hi[k]
+        self.lane_early[j] = lo < hi
         self.span[j] = self.launched, self.launched + self.lanes.num_loops - 1
         ids = np.asarray(req.prompt_ids, np.int64)
         self.riders.append(Rider(rid=rid, lane=j, ids=ids, kv=s.kv_slot(rid), first=self.launched))
         self.total_riders += 1
+        self._new_slots.append(s.kv_slot(rid))  # its block table goes to the device with the launch
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -288,6 +354,9 @@ class RunAhead:
         e, s = self.engine, self.engine.scheduler
         t0 = time.perf_counter()
         launch = self.replayed
+        for rid, req in self.release.pop(launch, ()):
+            if e.by_rid.get(rid) is req:  # not ended meanwhile (its rid may be a newcomer's now)
+                s.hold(rid, False)  # its prompt row starts in this schedule, as it did on the device
         if launch != self.presched:
             s.schedule()  # the run's first launch and a join's ran a schedule made before them
         t1 = time.perf_counter()
@@ -351,4 +420,11 @@ class RunAhead:
         self.lane_of[self.lane_rids[self.lane_rids >= 0]] = -1
         self.lane_rids = np.zeros(0, np.int64)
         self.riders, self.span[:] = [], -1
+        self._release_arrivals()
+        # Seated riders whose launch never ran (the pool ran dry first): the host path starts them.
+        e = self.engine
+        for rid, req in (x for pending in self.release.values() for x in pending):
+            if e.by_rid.get(rid) is req:
+                e.scheduler.hold(rid, False)
+        self.release, self._new_slots = {}, []
         self.active = False
