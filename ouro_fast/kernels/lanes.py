@@ -20,12 +20,10 @@ from ._util import next_pow2
 
 
 @triton.jit
-def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, launches_ptr,
-                     tables_ptr, stride_ts, stride_tl, h_lane_ptr, embed_ptr, stride_hl, stride_e,
-                     h_out_ptr, bt_out_ptr, slot_out_ptr, qstart_out_ptr, run_out_ptr, seed_out_ptr,
-                     MB, HIDDEN, seed_base, BS: tl.constexpr, T: tl.constexpr, BLOCK_MB: tl.constexpr,
-                     BLOCK_H: tl.constexpr):  # fmt: skip
-    r = tl.program_id(0)
+def _lane_head(r, active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tables_ptr, stride_ts, stride_tl,
+               bt_out_ptr, MB, BS: tl.constexpr, T: tl.constexpr, BLOCK_MB: tl.constexpr):  # fmt: skip
+    # Lane r: whether it runs, its loop and position, its block table for that loop (copied to row r
+    # of bt_out) and its K/V slot at its position (-1 when it does not run).
     run = (tl.load(active_ptr + r) != 0) & (tl.load(kill_ptr + r) == 0)
     loop = tl.load(loop_ptr + r)
     pos = tl.load(pos_ptr + r)
@@ -35,7 +33,19 @@ def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr
         offs = start + tl.arange(0, BLOCK_MB)
         tl.store(bt_out_ptr + r * MB + offs, tl.load(table + offs, mask=offs < MB), mask=offs < MB)
     slot = tl.load(table + pos // BS).to(tl.int64) * BS + pos % BS
-    tl.store(slot_out_ptr + r, tl.where(run, slot, -1))
+    return run, loop, pos, tl.where(run, slot, -1)
+
+
+@triton.jit
+def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, launches_ptr,
+                     tables_ptr, stride_ts, stride_tl, h_lane_ptr, embed_ptr, stride_hl, stride_e,
+                     h_out_ptr, bt_out_ptr, slot_out_ptr, qstart_out_ptr, run_out_ptr, seed_out_ptr,
+                     MB, HIDDEN, seed_base, BS: tl.constexpr, T: tl.constexpr, BLOCK_MB: tl.constexpr,
+                     BLOCK_H: tl.constexpr):  # fmt: skip
+    r = tl.program_id(0)
+    run, loop, pos, slot = _lane_head(r, active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tables_ptr,
+                                      stride_ts, stride_tl, bt_out_ptr, MB, BS, T, BLOCK_MB)  # fmt: skip
+    tl.store(slot_out_ptr + r, slot)
     tl.store(qstart_out_ptr + r, pos.to(tl.int32))
     tl.store(run_out_ptr + r, run.to(tl.int32))
     # Philox key per (launch, lane): odd multipliers below 2**63 spread the two counters apart.
@@ -170,16 +180,8 @@ def _pack_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, la
     launch = tl.load(launches_ptr)
     if p < R:
         r = p
-        run = (tl.load(active_ptr + r) != 0) & (tl.load(kill_ptr + r) == 0)
-        loop = tl.load(loop_ptr + r)
-        pos = tl.load(pos_ptr + r)
-        kv = tl.maximum(tl.load(kvrow_ptr + r), 0)
-        table = tables_ptr + kv * stride_ts + tl.minimum(loop, T - 1).to(tl.int64) * stride_tl
-        for start in range(0, MB, BLOCK_MB):
-            offs = start + tl.arange(0, BLOCK_MB)
-            tl.store(bt_ptr + r * MB + offs, tl.load(table + offs, mask=offs < MB), mask=offs < MB)
-        slot = tl.load(table + pos // BS).to(tl.int64) * BS + pos % BS
-        slot = tl.where(run, slot, -1)
+        run, loop, pos, slot = _lane_head(r, active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tables_ptr,
+                                          stride_ts, stride_tl, bt_ptr, MB, BS, T, BLOCK_MB)  # fmt: skip
         carried = loop > 0
         tl.store(ids_ptr + r, tl.load(tok_ptr + r))
         tl.store(spos_ptr + r, pos)
