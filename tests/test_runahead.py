@@ -177,6 +177,30 @@ def test_a_newcomer_that_cannot_ride_hands_back_mid_ride_with_same_tokens(model_
     assert eng.ahead.hand_backs == 1 and eng.ahead.total_riders == 1
 
 
+def test_a_seated_arrival_whose_launch_never_runs_starts_on_the_host_path(model_dir, monkeypatch):
+    # The pool runs dry right after an arrival was given KV and a lane: the run ends before the
+    # launch it was seated in, and the host path starts its prompt, with the same tokens.
+    early = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS)]  # three lanes of four busy
+    late = ("late", [9, 8, 7, 6], greedy(4))
+    want = tokens(run(engine(model_dir, run_ahead=False), early + [late]))
+    eng = engine(model_dir)
+    reserve = type(eng.ahead)._reserve
+
+    def dry(self, in_flight):
+        return not self.release and reserve(self, in_flight)  # no blocks while a seat is pending
+
+    def hook(e):
+        if e.ahead.active and e.ahead.launched >= 3:
+            e.add_request(*late)
+            monkeypatch.setattr(type(e.ahead), "_reserve", dry)
+            return True
+        return False
+
+    got = tokens(run(eng, early, hook=hook))
+    assert got == want
+    assert eng.ahead.total_riders == 1 and eng.ahead.runs >= 2  # seated, then handed to the host
+
+
 def test_abort_of_a_rider_frees_its_kv_and_spares_the_others(model_dir):
     early = [(str(i), p, greedy(6)) for i, p in enumerate(PROMPTS[:2])]
     late = ("late", PROMPTS[2], greedy(4))
