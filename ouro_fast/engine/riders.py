@@ -13,6 +13,15 @@ decodes that token, as the host path's refill would start it.
 The host knows every rider's loop in advance (a prompt runs every loop, one per
 launch), so it stages the riders' rows and tokens itself; only the lanes' state
 and a rider's first-token stop live on the device.
+
+Seating (RunAhead's Seating half). The scheduler holds an arrival (no replayed
+schedule may admit it); the next step gives it KV at once and seats it in the
+next launch, and the replay of that launch releases it, so that schedule() starts
+its prompt row there, as the device did. A newcomer that cannot ride so (no free
+lane, sampling the device cannot do, no room in the step) makes the host catch
+up: every launch in flight is replayed, the next schedule() admits the waiting
+requests, and the lanes take that step if it is the lanes plus whole fresh
+prompts (doubling the lanes if need be), or the host-driven path takes it.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from .lanes import MAX_STOP_IDS
 
 WAITING, RUNNING = 1, 2  # LoopScheduler statuses: queued, holding KV
 
@@ -64,3 +75,147 @@ def rider_rows(ahead, launch: int) -> list[RiderRow]:
             keep.append(rd)
     ahead.riders = keep
     return rows
+
+
+class Seating:
+    """How newcomers get a lane: RunAhead's half that seats arrivals, joins them after a catch-up,
+    or hands the batch back (engine-owner thread only; the state lives on RunAhead)."""
+
+    def arrive(self, rid: int) -> None:
+        """A request added during the run: held in the scheduler until a step seats it."""
+        self.engine.scheduler.hold(rid, True)
+        self.arrivals.append(rid)
+
+    def _seat_arrivals(self) -> bool:
+        """Seat arrivals, in order, in free lanes from the next launch on, without waiting for the
+        launches in flight: KV now, each prompt row released at that launch's replay. An arrival
+        that fits once the prompts riding now are done waits (at most a prompt's loops); False,
+        with none seated, if the first cannot ride so (the caller catches up instead)."""
+        s = self.engine.scheduler
+        self.arrivals = [rid for rid in self.arrivals if s.status(rid) == WAITING]  # drop aborted ones
+        self._forget_ended_lanes()
+        seated = 0
+        while self.arrivals:
+            verdict = self._try_seat(self.arrivals[0])
+            if verdict == "wait" or (verdict == "no" and seated):
+                return True  # held for a later step (after this step's launch, catching up is safe)
+            if verdict == "no":
+                return False
+            self.arrivals.pop(0)
+            seated += 1
+        return True
+
+    def _try_seat(self, rid: int) -> str:
+        """'seated', 'wait' (the step is full of riding prompts) or 'no'."""
+        e, s = self.engine, self.engine.scheduler
+        free = [j for j in range(self.lanes.rows) if self.lane_rids[j] < 0]
+        if not free or not self._plain(rid):
+            return "no"
+        # The step: the lanes' tokens and every rider's prompt (those seated before ride this launch too).
+        tokens = self.lanes.rows + sum(len(rd.ids) for rd in self.riders) + s.num_tokens(rid)
+        rows = self.lanes.rows + len(self.riders) + 1
+        if tokens > e.runner.max_tokens or rows > e.runner.max_rows:
+            return "wait" if self.riders else "no"
+        if not s.admit_now(rid):
+            return "no"
+        self._seat(rid, free[0])
+        self.release.setdefault(self.launched, []).append((rid, e.by_rid[rid]))
+        return "seated"
+
+    def _release_arrivals(self) -> None:
+        s = self.engine.scheduler
+        for rid in self.arrivals:
+            if s.status(rid) == WAITING:
+                s.hold(rid, False)
+        self.arrivals = []
+
+    def _join(self) -> list:
+        """Schedule the next step with the waiting requests; run it as the lanes plus riders if it is
+        exactly that (whole fresh prompts, free lanes, within the step's buffers), else hand it back."""
+        s = self.engine.scheduler
+        r = s.num_rows
+        last = (s.row_rid[:r].copy(), s.row_tok_off[:r].copy(), s.row_len[:r].copy(), s.row_decode[:r].copy())
+        self._forget_ended_lanes()
+        s.schedule()
+        plan = self._seats()
+        if plan is not None:
+            seats, self.lanes.rows = plan
+            for k, j in seats:
+                self._seat(int(s.row_rid[k]), j)
+            if self._reserve(in_flight=1):
+                self.presched = self.launched
+                self._launch(self._live())
+                return []
+        self._place(*last)
+        self._end()
+        self.handed_back = True
+        self.hand_backs += 1
+        return []
+
+    def _forget_ended_lanes(self) -> None:
+        # Lanes of requests that ended on the host are free (their rids may come back for newcomers).
+        s = self.engine.scheduler
+        for j, rid in enumerate(self.lane_rids):
+            if rid >= 0 and s.status(int(rid)) != RUNNING:
+                self.lane_of[rid] = -1
+                self.lane_rids[j] = -1
+        self.riders = [rd for rd in self.riders if self.lane_rids[rd.lane] == rd.rid]
+
+    def _seats(self) -> tuple[list, int] | None:
+        """([(row, free lane)] for the schedule's new rows, the lane count to run at), or None if
+        the schedule is not the lanes plus riders."""
+        e, s = self.engine, self.engine.scheduler
+        if s.num_waiting or s.num_preempted:
+            return None
+        r, lanes_n = s.num_rows, self.lanes.rows
+        rids = s.row_rid[:r].astype(np.int64)
+        lanes = self.lane_of[rids]
+        new = np.flatnonzero(lanes < 0)
+        free = [j for j in range(lanes_n) if self.lane_rids[j] < 0]
+        # More lanes (the next power of two) when none is free: only with no rider in flight, whose
+        # hidden states sit right after the lanes' tokens.
+        while len(new) > len(free) and lanes_n < self.lanes.max_lanes and not self.riders:
+            lanes_n = min(2 * lanes_n, self.lanes.max_lanes)
+            free = [j for j in range(lanes_n) if self.lane_rids[j] < 0]
+        rows, tokens = lanes_n, lanes_n
+        for k in np.flatnonzero(s.row_decode[:r] == 0):
+            rid, j = int(rids[k]), lanes[k]
+            if j >= 0 and not self._riding(j, self.launched):
+                return None
+            # A newcomer rides only with its whole prompt (not a chunk, not a recomputation).
+            n = s.num_tokens(rid)
+            whole = s.row_loop[k] == 0 and s.row_start[k] == 0 and s.row_len[k] == n
+            if j < 0 and not (whole and n == len(e.by_rid[rid].prompt_ids) and self._plain(rid)):
+                return None
+            rows, tokens = rows + 1, tokens + int(s.row_len[k])
+        runner = e.runner
+        if (s.row_decode[:r][new] != 0).any() or len(new) > len(free):
+            return None
+        if rows > runner.max_rows or tokens > runner.max_tokens:
+            return None
+        return list(zip(new.tolist(), free)), lanes_n
+
+    def _riding(self, lane: int, launch: int) -> bool:
+        return self.span[lane, 0] <= launch <= self.span[lane, 1]
+
+    def _seat(self, rid: int, j: int) -> None:
+        """Request rid (admitted, its prompt not started) rides in lane j from the next launch on."""
+        e, s = self.engine, self.engine.scheduler
+        req = e.by_rid[rid]
+        n = len(req.prompt_ids)
+        stop_ids = np.full((1, MAX_STOP_IDS), -1, np.int64)
+        stop_ids[0, : len(req.eos_ids)] = sorted(req.eos_ids)
+        lo, hi, log1mq = req.exit_window
+        fields = {
+            "tok": [0], "pos": [n], "kvrow": [s.kv_slot(rid)], "cap": [s.cap(rid)], "stop_ids": stop_ids,
+            "loop": [0], "lo": [lo], "hi": [hi], "log1mq": np.array([log1mq], np.float32),
+            "temp": e.sampling.temperature[rid : rid + 1],
+        }  # fmt: skip
+        self.lanes.seat(np.array([j], np.int64), fields)
+        self.lane_rids[j], self.lane_of[rid] = rid, j
+        self.lane_early[j] = lo < hi
+        self.span[j] = self.launched, self.launched + self.lanes.num_loops - 1
+        ids = np.asarray(req.prompt_ids, np.int64)
+        self.riders.append(Rider(rid=rid, lane=j, ids=ids, kv=s.kv_slot(rid), first=self.launched))
+        self.total_riders += 1
+        self._new_slots.append(s.kv_slot(rid))  # its block table goes to the device with the launch
