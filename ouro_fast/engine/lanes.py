@@ -67,7 +67,6 @@ class DecodeLanes:
         vocab = runner.model.lm_head_weight().shape[0]
         self.logits_buf = torch.zeros(min(2 * r, SKINNY_MAX_M), vocab, dtype=dtype, device=dev)
         self.prop_src, self.prop_dst = (torch.full(((num_loops - 1) * r,), -1, **i64) for _ in range(2))
-        # Per launch from the host: the kill mask, and block-table rows that changed since the last launch.
         # Per launch from the host: the kill mask, the riders' lanes, and block-table rows that changed.
         layout = {"kill": (r,), "riders": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}
         self.inputs = _Staging(layout, torch.int32, dev)
