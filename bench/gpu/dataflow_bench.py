@@ -1,0 +1,68 @@
+"""The one-launch dataflow decode loop against run_loop_fused on the ouro-1.4b preset: agreement and GPU time.
+
+Per row count and config: one loop from the same h and KV cache through both (max |difference| of the
+outputs and of the K/V they wrote), then each captured in a CUDA graph and replayed. Prints JSON lines.
+
+    python3 bench/gpu/dataflow_bench.py --rows 1 8 --stages 4 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ouro_fast.kernels.dataflow import DataflowLoop
+from ouro_fast.model.fast_loop import run_loop_fused
+from ouro_fast.model.triton_attention import TritonPagedAttention
+
+sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, step_bench, next to this file
+from replay_timing import capture, replay_ms  # noqa: E402
+from step_bench import build, decode_batch  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="ouro-1.4b")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--stages", type=int, nargs="+", default=[4, 6])
+    ap.add_argument("--context", type=int, default=160)
+    ap.add_argument("--replays", type=int, default=100)
+    args = ap.parse_args()
+    model = build(args.preset)
+    cfg, page, max_blocks = model.config, 16, 64
+    loops = {s: DataflowLoop(model, stages=s) for s in args.stages}
+    for rows in args.rows:
+        shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
+        cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
+        attn = TritonPagedAttention(cache.clone(), page, cfg.rope_theta, max_blocks * page)
+        attn.batch = batch = decode_batch(rows, args.context, page, max_blocks)
+        h = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+        with torch.inference_mode():
+            expect = run_loop_fused(model, h.clone(), attn)
+            row = {"rows": rows, "context": args.context, "path": "run_loop_fused"}
+            row["ms"] = round(
+                replay_ms(capture(lambda: run_loop_fused(model, h.clone(), attn)), args.replays, 3), 4
+            )
+            print(json.dumps(row), flush=True)
+            for stages, loop in loops.items():
+                got_cache = cache.clone()
+                got = loop(h, got_cache, attn.cos_sin, batch, page)
+                torch.cuda.synchronize()
+                k = loop.kernel
+                row = {"rows": rows, "path": "dataflow", "stages": stages, "streamers": loop.streamers,
+                       "regs": k.n_regs, "spills": k.n_spills, "smem": k.metadata.shared,
+                       "max_diff": float((got.float() - expect.float()).abs().max()),
+                       "max_ref": float(expect.float().abs().max()),
+                       "frac_diff": float((got != expect).float().mean()),
+                       "kv_max_diff": float((got_cache.float() - attn.kv_cache.float()).abs().max())}  # fmt: skip
+                graph = capture(lambda loop=loop, c=got_cache: loop(h, c, attn.cos_sin, batch, page))
+                row["ms"] = round(replay_ms(graph, args.replays, 3), 4)
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

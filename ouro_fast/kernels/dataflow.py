@@ -1,0 +1,530 @@
+"""A whole decode loop (every layer) in ONE persistent launch whose weight stream never drains.
+
+Launched per matrix, each matmul ramps its weight stream up and drains it again: one
+layer's weights stream in ~22 us with nothing between the matrices, in ~32 us with a
+launch or a grid barrier between them (docs/benchmarks.md, "Seventh session"). Here
+the programs stay resident for the whole loop and take one of three roles:
+
+- streamers [0, G): each owns a fixed share of row groups (BR rows) of every matrix
+  of every layer and walks them in one flat loop of [BR, BC] weight tiles. The tiles
+  are TMA loads that `tl.range` pipelines STAGES deep, across matrix and layer
+  boundaries alike: a tile's address depends only on the loop index. Only the
+  activation chunk a tile multiplies waits: before the first tile of a matrix the
+  streamer polls that matrix's input counter. A group's last tile stores its
+  outputs and counts the group on the matrix's done counter.
+- attention workers [G, G + rows * Hkv): one (row, KV head) each; per layer they wait
+  for every qkv group, then RoPE, K/V write and attention over the row's plane, as
+  fused_decode_attention does (one context slice).
+- norm workers [G + rows * Hkv, + N): one token each, holding its residual stream h in
+  registers: the sandwich add + RMSNorms (norm.py's arithmetic) between the matrices.
+
+Counters per layer (int32, zeroed before each launch): 0 xq ready (N), 1 qkv groups,
+2 attention done (rows * Hkv), 3 o_proj groups, 4 xm ready (N), 5 gate_up groups,
+6 down groups. Every program must be resident at once (they poll each other), so
+the launch checks the compiled kernel's occupancy. Under the interpreter (programs
+run one after another) one program runs every role in dependency order (SERIAL),
+with the same tile walk and arithmetic.
+
+Weights are repacked once into one [layers * rows_per_layer, hidden] bf16 tensor:
+qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a group's 16
+rows give 8 SiLU outputs), and down cut into column chunks of `hidden`, zero padded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import interpreting
+from .decode_attention import attend_slice, slice_bounds, store_normalised
+from .fused_decode import _cos_sin, _rotated, _write_kv
+from .norm import _rms
+from .rounding import round_to
+from .skinny_gemm import _dot
+from .swiglu import silu_mul
+
+ROWS_PER_GROUP = 16  # weight rows per group (the dot's smallest M)
+PAD_TOKENS = 16  # activation rows per tile, padded (the dot's smallest N)
+SLOTS = 8  # counters per layer
+MAX_ROWS = 8  # 2 programs per SM: 128 streamers + 17 workers per row fit 264 slots up to 8 rows
+BR = tl.constexpr(ROWS_PER_GROUP)
+RP = tl.constexpr(PAD_TOKENS)
+_SLOTS = tl.constexpr(SLOTS)
+
+
+@triton.jit
+def _wait(ptr, target, INTERPRETED: tl.constexpr):
+    # Every thread polls (acquire) until *ptr >= target; target <= 0 returns at once. Returns 0, so
+    # that the loads after it can depend on it (no load is hoisted above the poll). No CTA barrier:
+    # a barrier inside the streamers' loop would stop tl.range from pipelining the weight tiles.
+    if INTERPRETED:  # programs run one at a time: every count a program waits for is already in
+        return 0
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred pw;
+        .reg .u32 rs;
+        mov.u32 $0, 0;
+        setp.le.s32 pw, $2, 0;
+        @pw bra DF_DONE;
+        DF_SPIN:
+        ld.acquire.gpu.global.u32 rs, [$1];
+        setp.lt.s32 pw, rs, $2;
+        @pw bra DF_SPIN;
+        DF_DONE:
+        }""",
+        constraints="=r,l,r",
+        args=[ptr, target],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _signal(ptr, INTERPRETED: tl.constexpr):
+    # Count one arrival, released after every thread's earlier stores. The CTA barrier is inline asm:
+    # tl.debug_barrier inside the streamers' loop would stop tl.range from pipelining it.
+    if not INTERPRETED:
+        tl.inline_asm_elementwise(
+            "bar.sync 0;\n mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+        )
+    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _share(n, c, G):
+    lo = (c * n) // G
+    return lo, ((c + 1) * n) // G - lo
+
+
+@triton.jit
+def _coords(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H: tl.constexpr, RPL: tl.constexpr,
+            B_O: tl.constexpr, B_GU: tl.constexpr, B_DN: tl.constexpr, NCB: tl.constexpr, DB: tl.constexpr,
+            BC: tl.constexpr):  # fmt: skip
+    # Tile i of a streamer's walk -> (layer, segment, group, tile in group, its weight row and column,
+    # the activation column it multiplies, tiles per group).
+    layer = i // P
+    j = i - layer * P
+    seg = (j >= e1).to(tl.int32) + (j >= e2).to(tl.int32) + (j >= e3).to(tl.int32)
+    s = j - tl.where(seg == 0, 0, tl.where(seg == 1, e1, tl.where(seg == 2, e2, e3)))
+    bpg = tl.where(seg == 3, DB, NCB)
+    gl = s // bpg
+    b = s - gl * bpg
+    g = gl + tl.where(seg == 0, q_lo, tl.where(seg == 1, o_lo, tl.where(seg == 2, u_lo, d_lo)))
+    kcol = b * BC
+    base = tl.where(seg == 0, 0, tl.where(seg == 1, B_O, tl.where(seg == 2, B_GU, B_DN)))
+    w_row = layer * RPL + base + g * BR + (kcol // H) * H
+    return layer, seg, s, g, b, w_row, kcol % H, kcol, bpg
+
+
+@triton.jit
+def _x_tile(act_ptr, layer, seg, kcol, N, ok, H: tl.constexpr,
+            I: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # The activation chunk a tile multiplies, transposed: [BC, RP] bf16 (zeros past N rows or K).
+    # seg 3 (down) reads silu(gate) * up from the interleaved gate_up output, rounded as silu_and_mul.
+    offs_k = kcol + tl.arange(0, BC)
+    offs_m = tl.arange(0, RP)
+    region = tl.where(seg == 0, 0, tl.where(seg == 1, 2, tl.where(seg == 2, 4, 5)))
+    width = tl.where(seg == 3, 2 * I, H)
+    k_ok = offs_k < tl.where(seg == 3, I, H)
+    mask = (offs_m < N)[None, :] & k_ok[:, None]
+    row = (layer * RP + offs_m).to(tl.int64)[None, :] * width
+    base = act_ptr + _region_off(region, H, I, L) + ok
+    if seg == 3:
+        col = (16 * (offs_k // 8) + offs_k % 8)[:, None]
+        gate = tl.load(base + row + col, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        up = tl.load(base + row + col + 8, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        x = silu_mul(gate, up, tl.bfloat16, INTERPRETED)
+    else:
+        x = tl.load(base + row + offs_k[:, None], mask=mask, other=0.0, cache_modifier=".cg")
+    return x
+
+
+@triton.jit
+def _region_off(region, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr):
+    # Element offset of activation region r in the scratch: 0 xq, 1 qkv, 2 attention out, 3 o_proj out,
+    # 4 xm, 5 gate_up out, 6 down out; each [L, RP, width].
+    # (qkv is 3 * H wide: only Hq = Hkv, Ouro's plain MHA, is supported.)
+    n = (
+        tl.where(region > 0, 1, 0)
+        + tl.where(region > 1, 3, 0)
+        + tl.where(region > 2, 1, 0)
+        + tl.where(region > 3, 1, 0)
+        + tl.where(region > 4, 1, 0)
+    )
+    return L * RP * (n * H + tl.where(region > 5, 2 * I, 0))
+
+
+@triton.jit
+def _store_group(
+    act_ptr,
+    acc,
+    layer,
+    seg,
+    g,
+    N,
+    H: tl.constexpr,
+    I: tl.constexpr,
+    L: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    # acc [BR, RP] (weight rows x tokens) -> the matrix's output columns g*BR.. of each token row.
+    region = tl.where(seg == 0, 1, tl.where(seg == 1, 3, tl.where(seg == 2, 5, 6)))
+    width = tl.where(seg == 0, 3 * H, tl.where(seg == 2, 2 * I, H))
+    offs_r = tl.arange(0, BR)
+    offs_m = tl.arange(0, RP)
+    ptrs = (
+        act_ptr
+        + _region_off(region, H, I, L)
+        + (layer * RP + offs_m).to(tl.int64)[None, :] * width
+        + g * BR
+        + offs_r[:, None]
+    )
+    tl.store(ptrs, round_to(acc, act_ptr.dtype.element_ty, INTERPRETED), mask=(offs_m < N)[None, :])
+
+
+@triton.jit
+def _target(seg, N, rows, NKV: tl.constexpr, NGU: tl.constexpr):
+    # What a matrix's first tile waits for: its input counter's final count.
+    return tl.where(seg == 0, N, tl.where(seg == 1, rows * NKV, tl.where(seg == 2, N, NGU)))
+
+
+@triton.jit
+def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr,
+            NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr, NKV: tl.constexpr,
+            BC: tl.constexpr, STAGES: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG,
+            INTERPRETED: tl.constexpr):  # fmt: skip
+    # Streamer c's walk; SERIAL: only its tiles of (LAYER, SEG), every activation loaded when used.
+    NCB: tl.constexpr = H // (2 * BC)
+    DB: tl.constexpr = (I + 2 * BC - 1) // (2 * BC)
+    B_O: tl.constexpr = 3 * H
+    B_GU: tl.constexpr = B_O + H
+    B_DN: tl.constexpr = B_GU + 2 * I
+    RPL: tl.constexpr = B_DN + ((I + H - 1) // H) * H
+    q_lo, nq = _share(NQ, c, G)
+    o_lo, no = _share(NO, c, G)
+    u_lo, nu = _share(NGU, c, G)
+    d_lo, nd = _share(ND, c, G)
+    e1 = nq * NCB
+    e2 = e1 + no * NCB
+    e3 = e2 + nu * NCB
+    P = e3 + nd * DB
+    lo = 0
+    hi = L * P
+    if SERIAL:
+        lo = LAYER * P + tl.where(SEG == 0, 0, tl.where(SEG == 1, e1, tl.where(SEG == 2, e2, e3)))
+        hi = LAYER * P + tl.where(SEG == 0, e1, tl.where(SEG == 1, e2, tl.where(SEG == 2, e3, P)))
+    acc = tl.zeros([BR, RP], tl.float32)
+    for i in tl.range(lo, hi, num_stages=STAGES):
+        layer, seg, s, g, b, w_row, w_col, kcol, bpg = _coords(
+            i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, B_O, B_GU, B_DN, NCB, DB, 2 * BC
+        )
+        # Two [BR, BC] tiles an iteration: one activation round trip (L2) per 2 * BC columns.
+        w0 = desc.load([w_row, w_col])
+        w1 = desc.load([w_row, w_col + BC])
+        # Only a matrix's first tile polls: the later ones need nothing more. Within a matrix nothing
+        # is loaded ahead: a streamer's own outputs may be what the next matrix waits for.
+        ok = _wait(cnt_ptr + layer * _SLOTS + 2 * seg, tl.where(s == 0, _target(seg, N, rows, NKV, NGU), 0),
+                   INTERPRETED)  # fmt: skip
+        x0 = _x_tile(act_ptr, layer, seg, kcol, N, ok, H, I, L, BC, INTERPRETED)
+        x1 = _x_tile(act_ptr, layer, seg, kcol + BC, N, ok, H, I, L, BC, INTERPRETED)
+        acc = _dot(w0, x0, tl.where(b == 0, 0.0, acc), "ieee", INTERPRETED)
+        acc = _dot(w1, x1, acc, "ieee", INTERPRETED)
+        if b == bpg - 1:
+            _store_group(act_ptr, acc, layer, seg, g, N, H, I, L, INTERPRETED)
+            _signal(cnt_ptr + layer * _SLOTS + 2 * seg + 1, INTERPRETED)
+
+
+@triton.jit
+def _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
+            tok_off_ptr, row, kv_head, layer, num_pos, scale_log2, stride_kl, stride_kcs, stride_kch,
+            stride_t, stride_bt, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr, NQ: tl.constexpr,
+            HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SERIAL: tl.constexpr,
+            INTERPRETED: tl.constexpr):  # fmt: skip
+    # fused_decode_attention's program (row, kv_head, the one slice) for one layer, on the scratch.
+    ok = _wait(cnt_ptr + layer * _SLOTS + 1, NQ, INTERPRETED)
+    n_q = tl.load(len_ptr + row)
+    if n_q > 0:
+        q_pos = tl.load(q_start_ptr + row)
+        tok = tl.load(tok_off_ptr + row).to(tl.int64)
+        slot = tl.load(slot_ptr + tok)
+        start, end = slice_bounds(q_pos, 0, 1, BLOCK_N)
+        cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM)
+        qkv = act_ptr + _region_off(1, H, I, L) + ok + (layer * RP + tok) * (3 * H)
+        one = tl.arange(0, 1)
+        q = _rotated(qkv, kv_head + one, one == 0, HEAD_DIM, cos, sin, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM,
+                     act_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)  # fmt: skip
+        k_new = _rotated(qkv + H, kv_head + one, one == 0, HEAD_DIM, cos, sin, HEAD_DIM // 2, HEAD_DIM,
+                         HEAD_DIM, kc_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
+        offs_d = tl.arange(0, HEAD_DIM)[None, :]
+        v_new = tl.load(qkv + 2 * H + kv_head * HEAD_DIM + offs_d, cache_modifier=".cg")
+        kc = kc_ptr + layer * stride_kl
+        vc = vc_ptr + layer * stride_kl
+        new_pos = tl.where(slot >= 0, q_pos, -1)
+        m_i, l_i, acc = attend_slice(q, kc, vc, bt_ptr + row * stride_bt, kv_head, start, end, scale_log2,
+                                     stride_kcs, stride_kch, stride_kcs, stride_kch, new_pos, k_new, v_new,
+                                     1, HEAD_DIM, HEAD_DIM, PAGE, BLOCK_N, True)  # fmt: skip
+        if slot >= 0:
+            _write_kv(kc, vc, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_kcs, stride_kch,
+                      HEAD_DIM, HEAD_DIM)  # fmt: skip
+        out = act_ptr + _region_off(2, H, I, L) + (layer * RP) * H
+        store_normalised(out, tok, kv_head + one, one == 0, H, HEAD_DIM, acc, l_i, HEAD_DIM, HEAD_DIM,
+                         INTERPRETED)  # fmt: skip
+    _signal(cnt_ptr + layer * _SLOTS + 2, INTERPRETED)
+
+
+@triton.jit
+def _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, wait_slot, target, src_region, w_a_idx,
+               w_next_ptr, dst_ptr, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr,
+               INTERPRETED: tl.constexpr):  # fmt: skip
+    # h += RMS(a, w_a); x = RMS(h, w_next) -> dst (add_rms_norm's arithmetic); returns the new h.
+    offs = tl.arange(0, H)
+    ok = _wait(cnt_ptr + layer * _SLOTS + wait_slot, target, INTERPRETED)
+    src = act_ptr + _region_off(src_region, H, I, L) + ok + (layer * RP + tok) * H
+    a = tl.load(src + offs, cache_modifier=".cg").to(tl.float32)
+    w_a = tl.load(norm_ptr + (layer * 4 + w_a_idx) * H + offs).to(tl.float32)
+    h = round_to(h + _rms(a, w_a, H, eps, tl.bfloat16, INTERPRETED), tl.bfloat16, INTERPRETED).to(tl.float32)
+    x = _rms(h, tl.load(w_next_ptr + offs).to(tl.float32), H, eps, tl.bfloat16, INTERPRETED)
+    tl.store(dst_ptr + offs, x.to(tl.bfloat16))
+    return h
+
+
+@triton.jit
+def _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H: tl.constexpr, INTERPRETED: tl.constexpr):
+    # The loop's input h and its first norm (layer 0's input_layernorm) -> xq of layer 0.
+    offs = tl.arange(0, H)
+    h = tl.load(h_ptr + tok * H + offs).to(tl.float32)
+    x = _rms(h, tl.load(norm_ptr + offs).to(tl.float32), H, eps, tl.bfloat16, INTERPRETED)
+    tl.store(act_ptr + tok * H + offs, x.to(tl.bfloat16))
+    _signal(cnt_ptr, INTERPRETED)
+    return h
+
+
+@triton.jit
+def _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO: tl.constexpr, H: tl.constexpr,
+                    I: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # After o_proj: h += RMS(o, input_layernorm_2); xm = RMS(h, post_attention_layernorm).
+    dst = act_ptr + _region_off(4, H, I, L) + (layer * RP + tok) * H
+    h = _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, 3, NO, 3, 1, norm_ptr + (layer * 4 + 2) * H,
+                   dst, H, I, L, SERIAL, INTERPRETED)  # fmt: skip
+    _signal(cnt_ptr + layer * _SLOTS + 4, INTERPRETED)
+    return h
+
+
+@triton.jit
+def _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND: tl.constexpr,
+                    H: tl.constexpr, I: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr,
+                    INTERPRETED: tl.constexpr):  # fmt: skip
+    # After down: h += RMS(d, post_attention_layernorm_2); x = RMS(h, next input_layernorm or final norm).
+    if layer + 1 < L:
+        w_next = norm_ptr + ((layer + 1) * 4) * H
+        dst = act_ptr + _region_off(0, H, I, L) + ((layer + 1) * RP + tok) * H
+    else:
+        w_next = norm_ptr + L * 4 * H
+        dst = out_ptr + tok * H
+    h = _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, 6, ND, 6, 3, w_next, dst, H, I, L, SERIAL,
+                   INTERPRETED)  # fmt: skip
+    if layer + 1 < L:
+        _signal(cnt_ptr + (layer + 1) * _SLOTS, INTERPRETED)
+    return h
+
+
+@triton.jit
+def _dataflow_kernel(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
+                     table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos,
+                     scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt,
+                     H: tl.constexpr, I: tl.constexpr, L: tl.constexpr, NKV: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
+                     STAGES: tl.constexpr, SERIAL: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    NQ: tl.constexpr = 3 * H // BR
+    NO: tl.constexpr = H // BR
+    NGU: tl.constexpr = 2 * I // BR
+    ND: tl.constexpr = H // BR
+    pid = tl.program_id(0)
+    if SERIAL:
+        _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr,
+                bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2, stride_kl,
+                stride_kcs, stride_kch, stride_t, stride_bt, H, I, L, NKV, NQ, NO, NGU, ND, HEAD_DIM, PAGE,
+                BLOCK_N, BC, STAGES, INTERPRETED)  # fmt: skip
+    elif pid < G:
+        _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, False, 0, 0,
+                INTERPRETED)  # fmt: skip
+    elif pid < G + rows * NKV:
+        w = pid - G
+        for layer in range(L):
+            _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
+                    tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl, stride_kcs,
+                    stride_kch, stride_t, stride_bt, H, I, L, NQ, HEAD_DIM, PAGE, BLOCK_N, False,
+                    INTERPRETED)  # fmt: skip
+    else:
+        tok = pid - G - rows * NKV
+        h = _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H, INTERPRETED)
+        for layer in range(L):
+            h = _norm_layer_mid(
+                act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, I, L, False, INTERPRETED
+            )
+            h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, I, L, False,
+                                INTERPRETED)  # fmt: skip
+
+
+@triton.jit
+def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr,
+            bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2, stride_kl,
+            stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr,
+            NKV: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
+            HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
+            STAGES: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # Every role in dependency order, in one program (the interpreter runs programs one at a time).
+    # The residual streams live in the out rows between steps (out is written last by the final norm).
+    for tok in range(N):
+        h = _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H, INTERPRETED)
+        tl.store(out_ptr + tok * H + tl.arange(0, H), h)
+    for layer in range(L):
+        for c in range(G):
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, True, layer,
+                    0, INTERPRETED)  # fmt: skip
+        for w in range(rows * NKV):
+            _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
+                    tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl, stride_kcs,
+                    stride_kch, stride_t, stride_bt, H, I, L, NQ, HEAD_DIM, PAGE, BLOCK_N, True,
+                    INTERPRETED)  # fmt: skip
+        for c in range(G):
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, True, layer,
+                    1, INTERPRETED)  # fmt: skip
+        for tok in range(N):
+            h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
+            h = _norm_layer_mid(
+                act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, I, L, True, INTERPRETED
+            )
+            tl.store(out_ptr + tok * H + tl.arange(0, H), h)
+        for c in range(G):
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, True, layer,
+                    2, INTERPRETED)  # fmt: skip
+        for c in range(G):
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, True, layer,
+                    3, INTERPRETED)  # fmt: skip
+        for tok in range(N):
+            h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
+            h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, I, L, True,
+                                INTERPRETED)  # fmt: skip
+            if layer + 1 < L:
+                tl.store(out_ptr + tok * H + tl.arange(0, H), h)
+
+
+def pack_weights(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's weight layout (module docstring) and the norms [L * 4 + 1, H]: per layer
+    input_layernorm, input_layernorm_2, post_attention_layernorm, post_attention_layernorm_2; then
+    the final norm. Needs a fused model (qkv_weight, gate_up_weight)."""
+    cfg = model.config
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    chunks = -(-inter // h)
+    rows = []
+    for layer in model.model.layers:
+        sa, mlp = layer.self_attn, layer.mlp
+        gate, up = mlp.gate_up_weight.split(inter)
+        gu = torch.stack((gate.view(-1, 8, h), up.view(-1, 8, h)), dim=1).reshape(2 * inter, h)
+        down = torch.zeros(h, chunks * h, dtype=gate.dtype, device=gate.device)
+        down[:, :inter] = mlp.down_proj.weight
+        down = down.view(h, chunks, h).transpose(0, 1).reshape(chunks * h, h)
+        rows += [sa.qkv_weight, sa.o_proj.weight, gu, down]
+    norms = []
+    for layer in model.model.layers:
+        norms += [layer.input_layernorm.weight, layer.input_layernorm_2.weight,
+                  layer.post_attention_layernorm.weight, layer.post_attention_layernorm_2.weight]  # fmt: skip
+    norms.append(model.model.norm.weight)
+    return torch.cat(rows).contiguous(), torch.stack(norms).contiguous()
+
+
+def supported(cfg) -> str | None:
+    """Why the dataflow loop cannot run this model's shapes, or None."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    if cfg.num_key_value_heads != cfg.num_attention_heads or cfg.num_attention_heads * d != h:
+        return "needs plain MHA with heads * head_dim == hidden"
+    if h & (h - 1) or d & (d - 1) or h < 128:
+        return "needs power-of-two hidden (>= 128) and head_dim"
+    if cfg.intermediate_size % 8:
+        return "needs intermediate_size % 8 == 0"
+    return None
+
+
+class DataflowLoop:
+    """One decode loop of a fused model in one launch: `loop(h, kv_cache, batch) -> x`, like run_loop_fused.
+
+    Holds the repacked weights (~the model's layer weights again), the activation scratch and the
+    counters. Calls are CUDA-graph capturable (grid and scratch depend only on shapes).
+    """
+
+    def __init__(self, model, streamers: int | None = None, stages: int = 12, block_n: int = 64):
+        cfg = model.config
+        why = supported(cfg)
+        if why:
+            raise ValueError(f"dataflow loop: {why}")
+        self.cfg, self.eps = cfg, cfg.rms_norm_eps
+        self.h, self.inter, self.layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+        self.weights, self.norms = pack_weights(model)
+        self.bc = min(256, self.h // 2)
+        self.stages, self.block_n = stages, block_n
+        dev = self.weights.device
+        if streamers is None:
+            streamers = 1 if dev.type != "cuda" else _streamers(dev)
+        self.streamers = streamers
+        per_layer = PAD_TOKENS * (8 * self.h + 2 * self.inter)
+        self.act = torch.zeros(self.layers * per_layer, dtype=self.weights.dtype, device=dev)
+        self.counters = torch.zeros(self.layers * SLOTS, dtype=torch.int32, device=dev)
+        self.desc = _descriptor(self.weights, self.bc)
+        self.kernel = None  # the compiled kernel, once checked
+
+    def __call__(self, h: torch.Tensor, kv_cache: torch.Tensor, cos_sin: torch.Tensor, batch, block_size: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        n, rows = h.shape[0], batch.block_tables.shape[0]
+        if n > MAX_ROWS or rows > MAX_ROWS:
+            raise ValueError(f"dataflow loop: at most {MAX_ROWS} tokens and rows, got {n} and {rows}")
+        if h.dtype != torch.bfloat16 or not h.is_contiguous():
+            raise ValueError("dataflow loop: h must be contiguous bf16")
+        out = torch.empty_like(h) if out is None else out
+        self.counters.zero_()
+        serial = interpreting()
+        kc, vc = kv_cache[0], kv_cache[1]
+        grid = (1,) if serial else (self.streamers + rows * self.cfg.num_key_value_heads + n,)
+        args = (
+            self.desc, self.act, self.counters, self.norms, h, out, kc, vc, batch.slot_mapping,
+            batch.positions, cos_sin, batch.block_tables, batch.row_q_start, batch.row_len, batch.row_tok_off,
+            self.streamers, n, rows, self.eps, cos_sin.shape[0], self.cfg.head_dim ** -0.5 * 1.4426950408889634,
+            kc.stride(0), kc.stride(1), kc.stride(2), cos_sin.stride(0), batch.block_tables.stride(0),
+        )  # fmt: skip
+        meta = dict(
+            H=self.h, I=self.inter, L=self.layers, NKV=self.cfg.num_key_value_heads, HEAD_DIM=self.cfg.head_dim,
+            PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages, SERIAL=serial,
+            INTERPRETED=serial, num_warps=4, num_stages=1,
+        )  # fmt: skip
+        if not serial:
+            self._check_resident(grid[0], _dataflow_kernel.warmup(*args, grid=grid, **meta))
+        _dataflow_kernel[grid](*args, **meta)
+        return out
+
+    def _check_resident(self, programs: int, kernel) -> None:
+        # The programs poll each other: all must fit on the GPU at once, or the launch never ends.
+        if self.kernel is kernel:
+            return
+        kernel._init_handles()
+        props = torch.cuda.get_device_properties(self.weights.device)
+        per_sm = min(
+            65536 // max(1, kernel.n_regs * 128), (233472 - 1024) // (kernel.metadata.shared + 1024), 32
+        )
+        if programs > per_sm * props.multi_processor_count:
+            raise RuntimeError(f"dataflow loop: {programs} programs cannot all be resident ({per_sm} per SM: "
+                               f"{kernel.n_regs} registers, {kernel.metadata.shared} bytes of shared memory)")  # fmt: skip
+        self.kernel = kernel
+
+
+def _descriptor(w: torch.Tensor, bc: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+    return TensorDescriptor.from_tensor(w, [ROWS_PER_GROUP, bc])
+
+
+def _streamers(device: torch.device) -> int:
+    # Row-group counts (qkv 3H/16, o_proj and down H/16) divide evenly over a power of two <= the SMs.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return 1 << (sms.bit_length() - 1)

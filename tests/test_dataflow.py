@@ -1,0 +1,121 @@
+"""The one-launch dataflow decode loop against run_loop_fused (the launch-per-kernel loop).
+
+On a CPU-only machine the kernel runs under TRITON_INTERPRET=1 in its SERIAL form: one program
+runs every role in dependency order, with the streamers' tile walk and the same arithmetic.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed")
+
+from ouro_fast.core_py.block_table import BlockTable  # noqa: E402
+from ouro_fast.kernels.dataflow import DataflowLoop, pack_weights, supported  # noqa: E402
+from ouro_fast.model.config import OuroConfig  # noqa: E402
+from ouro_fast.model.fast_loop import run_loop_fused  # noqa: E402
+from ouro_fast.model.ouro import OuroForCausalLM  # noqa: E402
+from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Intermediate 320 is 2.5 x hidden: down's last column chunk is partly padding.
+CFG = OuroConfig(hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=97, total_ut_steps=4, rope_theta=10000.0)  # fmt: skip
+PAGE = 4
+
+
+def make_model():
+    torch.manual_seed(0)
+    model = OuroForCausalLM(CFG).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("_2.weight") or name == "model.norm.weight":
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model = model.to(device=DEV, dtype=torch.bfloat16)
+    model.fuse()
+    return model
+
+
+def decode_batch(rows, bt):
+    """TritonBatch of decode rows (request slot, loop, position): one token each, in row order."""
+    slots = np.zeros(len(rows), dtype=np.int64)
+    for r, (slot, loop, pos) in enumerate(rows):
+        s = np.zeros(1, dtype=np.int64)
+        bt.fill_slot_mapping(slot, loop, pos, 1, s, 0)
+        slots[r] = s[0]
+
+    def dev(values, dtype):
+        return torch.tensor(np.asarray(values), dtype=dtype, device=DEV)
+
+    return TritonBatch(
+        slot_mapping=dev(slots, torch.int64),
+        positions=dev([p for *_, p in rows], torch.int64),
+        block_tables=dev(np.stack([bt.tables[s, lp] for s, lp, _ in rows]), torch.int32),
+        row_q_start=dev([p for *_, p in rows], torch.int32),
+        row_len=dev([1] * len(rows), torch.int32),
+        row_tok_off=dev(list(range(len(rows))), torch.int32),
+        max_q_len=1,
+    )
+
+
+@pytest.mark.parametrize("streamers", [1, 3])
+def test_dataflow_loop_matches_run_loop_fused(streamers):
+    model = make_model()
+    bt = BlockTable(64, PAGE, 4, 3, 6)
+    for slot in range(3):
+        assert bt.allocate(slot, 20)
+    # Contexts of 1 to 20 positions at different loops, one of them a page boundary.
+    rows = [(0, 0, 7), (1, 2, 19), (2, 3, 0), (0, 1, 4)]
+    batch = decode_batch(rows, bt)
+    shape = (2, CFG.num_hidden_layers, 64 * PAGE, CFG.num_key_value_heads, CFG.head_dim)
+    cache = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEV, torch.bfloat16)
+    attn = TritonPagedAttention(cache.clone(), PAGE, CFG.rope_theta, 64)
+    attn.batch = batch
+    h = torch.randn(len(rows), CFG.hidden_size, generator=torch.Generator().manual_seed(2)).to(
+        DEV, torch.bfloat16
+    )
+    loop = DataflowLoop(model, streamers=streamers)
+    got_cache = cache.clone()
+    with torch.no_grad():
+        expect = run_loop_fused(model, h.clone(), attn)
+        got = loop(h, got_cache, attn.cos_sin, batch, PAGE)
+    # The dot sums each product in another order than the skinny matmul: bf16 rounding apart.
+    torch.testing.assert_close(got, expect, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(got_cache, attn.kv_cache, atol=0.05, rtol=0.02)
+    written = batch.slot_mapping
+    assert not torch.equal(got_cache[:, :, written], cache[:, :, written])  # the new K/V was written
+
+
+def test_pack_weights_layout():
+    model = make_model()
+    w, norms = pack_weights(model)
+    h, inter = CFG.hidden_size, CFG.intermediate_size
+    per_layer = 3 * h + h + 2 * inter + 3 * h
+    assert w.shape == (CFG.num_hidden_layers * per_layer, h)
+    lay = model.model.layers[1]
+    base = per_layer
+    assert torch.equal(w[base : base + 3 * h], lay.self_attn.qkv_weight)
+    gu = w[base + 4 * h : base + 4 * h + 2 * inter]
+    gate, up = lay.mlp.gate_up_weight.split(inter)
+    assert torch.equal(gu[16 * 3 : 16 * 3 + 8], gate[24:32]) and torch.equal(
+        gu[16 * 3 + 8 : 16 * 4], up[24:32]
+    )
+    down = w[base + 4 * h + 2 * inter : base + per_layer]
+    assert torch.equal(down[2 * h : 3 * h, : inter - 2 * h], lay.mlp.down_proj.weight[:, 2 * h :])
+    assert not down[2 * h :, inter - 2 * h :].any()
+    assert torch.equal(norms[-1], model.model.norm.weight)
+
+
+def test_supported_shapes():
+    assert supported(CFG) is None
+    gqa = OuroConfig(hidden_size=128, intermediate_size=320, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=97)  # fmt: skip
+    assert "MHA" in supported(gqa)
+    with pytest.raises(ValueError, match="MHA"):
+        DataflowLoop(OuroForCausalLM(gqa).to(torch.bfloat16))
