@@ -58,7 +58,9 @@ def _wait(ptr, target, INTERPRETED: tl.constexpr):
     # Every thread polls (acquire) until *ptr >= target; target <= 0 returns at once. Returns 0, so
     # that the loads after it can depend on it (no load is hoisted above the poll). No CTA barrier:
     # a barrier inside the streamers' loop would stop tl.range from pipelining the weight tiles.
-    if INTERPRETED:  # programs run one at a time: every count a program waits for is already in
+    if INTERPRETED:  # programs run one at a time: a count short of its target is a bug, marked for the host
+        short = (target > 0) & (tl.load(ptr) < target)
+        tl.atomic_add(ptr, tl.where(short, -(1 << 24), 0))
         return 0
     return tl.inline_asm_elementwise(
         asm="""{
@@ -185,6 +187,13 @@ def _store_group(
 
 
 @triton.jit
+def _in_slot(seg):
+    # The counter a matrix waits for: xq ready, attention done, xm ready, gate_up groups (slots 0, 2, 4, 5);
+    # its own groups count on the slot after it (1, 3, 5, 6).
+    return 2 * seg - (seg == 3).to(tl.int32)
+
+
+@triton.jit
 def _target(seg, N, rows, NKV: tl.constexpr, NGU: tl.constexpr):
     # What a matrix's first tile waits for: its input counter's final count.
     return tl.where(seg == 0, N, tl.where(seg == 1, rows * NKV, tl.where(seg == 2, N, NGU)))
@@ -225,7 +234,7 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, I: tl.conste
         w1 = desc.load([w_row, w_col + BC])
         # Only a matrix's first tile polls: the later ones need nothing more. Within a matrix nothing
         # is loaded ahead: a streamer's own outputs may be what the next matrix waits for.
-        ok = _wait(cnt_ptr + layer * _SLOTS + 2 * seg, tl.where(s == 0, _target(seg, N, rows, NKV, NGU), 0),
+        ok = _wait(cnt_ptr + layer * _SLOTS + _in_slot(seg), tl.where(s == 0, _target(seg, N, rows, NKV, NGU), 0),
                    INTERPRETED)  # fmt: skip
         x0 = _x_tile(act_ptr, layer, seg, kcol, N, ok, H, I, L, BC, INTERPRETED)
         x1 = _x_tile(act_ptr, layer, seg, kcol + BC, N, ok, H, I, L, BC, INTERPRETED)
@@ -233,7 +242,7 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, I: tl.conste
         acc = _dot(w1, x1, acc, "ieee", INTERPRETED)
         if b == bpg - 1:
             _store_group(act_ptr, acc, layer, seg, g, N, H, I, L, INTERPRETED)
-            _signal(cnt_ptr + layer * _SLOTS + 2 * seg + 1, INTERPRETED)
+            _signal(cnt_ptr + layer * _SLOTS + _in_slot(seg) + 1, INTERPRETED)
 
 
 @triton.jit
@@ -501,6 +510,8 @@ class DataflowLoop:
         if not serial:
             self._check_resident(grid[0], _dataflow_kernel.warmup(*args, grid=grid, **meta))
         _dataflow_kernel[grid](*args, **meta)
+        if serial and bool((self.counters < 0).any()):
+            raise RuntimeError("dataflow loop: a wait came before the work it waits for (counters marked)")
         return out
 
     def _check_resident(self, programs: int, kernel) -> None:
