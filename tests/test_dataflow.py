@@ -64,8 +64,8 @@ def decode_batch(rows, bt):
     )
 
 
-@pytest.mark.parametrize("streamers", [1, 3])
-def test_dataflow_loop_matches_run_loop_fused(streamers):
+@pytest.mark.parametrize("streamers, tiles", [(1, 2), (3, 2), (3, 4)])
+def test_dataflow_loop_matches_run_loop_fused(streamers, tiles):
     model = make_model()
     bt = BlockTable(64, PAGE, 4, 3, 6)
     for slot in range(3):
@@ -80,7 +80,7 @@ def test_dataflow_loop_matches_run_loop_fused(streamers):
     h = torch.randn(len(rows), CFG.hidden_size, generator=torch.Generator().manual_seed(2)).to(
         DEV, torch.bfloat16
     )
-    loop = DataflowLoop(model, streamers=streamers)
+    loop = DataflowLoop(model, streamers=streamers, tiles=tiles)
     got_cache = cache.clone()
     with torch.no_grad():
         expect = run_loop_fused(model, h.clone(), attn)

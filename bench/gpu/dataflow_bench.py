@@ -3,7 +3,7 @@
 Per row count and config: one loop from the same h and KV cache through both (max |difference| of the
 outputs and of the K/V they wrote), then each captured in a CUDA graph and replayed. Prints JSON lines.
 
-    python3 bench/gpu/dataflow_bench.py --rows 1 8 --stages 4 6
+    python3 bench/gpu/dataflow_bench.py --rows 1 8 --configs 128:2:4 256:2:4 128:4:4
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--stages", type=int, nargs="+", default=[4, 6])
+    ap.add_argument("--configs", nargs="+", default=["128:2:4"], help="streamers:tiles per iteration:stages")
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--replays", type=int, default=100)
     args = ap.parse_args()
     model = build(args.preset)
     cfg, page, max_blocks = model.config, 16, 64
-    loops = {s: DataflowLoop(model, stages=s) for s in args.stages}
+    loops = {}
+    for spec in args.configs:
+        g, t, s = (int(v) for v in spec.split(":"))
+        loops[spec] = DataflowLoop(model, streamers=g, tiles=t, stages=s)
     for rows in args.rows:
         shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
         cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
@@ -48,12 +51,12 @@ def main() -> None:
                 replay_ms(capture(lambda: run_loop_fused(model, h.clone(), attn)), args.replays, 3), 4
             )
             print(json.dumps(row), flush=True)
-            for stages, loop in loops.items():
+            for spec, loop in loops.items():
                 got_cache = cache.clone()
                 got = loop(h, got_cache, attn.cos_sin, batch, page)
                 torch.cuda.synchronize()
                 k = loop.kernel
-                row = {"rows": rows, "path": "dataflow", "stages": stages, "streamers": loop.streamers,
+                row = {"rows": rows, "path": "dataflow", "config": spec,
                        "regs": k.n_regs, "spills": k.n_spills, "smem": k.metadata.shared,
                        "max_diff": float((got.float() - expect.float()).abs().max()),
                        "max_ref": float(expect.float().abs().max()),

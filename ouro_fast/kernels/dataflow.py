@@ -202,11 +202,11 @@ def _target(seg, N, rows, NKV: tl.constexpr, NGU: tl.constexpr):
 @triton.jit
 def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr,
             NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr, NKV: tl.constexpr,
-            BC: tl.constexpr, STAGES: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG,
+            BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG,
             INTERPRETED: tl.constexpr):  # fmt: skip
     # Streamer c's walk; SERIAL: only its tiles of (LAYER, SEG), every activation loaded when used.
-    NCB: tl.constexpr = H // (2 * BC)
-    DB: tl.constexpr = (I + 2 * BC - 1) // (2 * BC)
+    NCB: tl.constexpr = H // (TPI * BC)
+    DB: tl.constexpr = (I + TPI * BC - 1) // (TPI * BC)
     B_O: tl.constexpr = 3 * H
     B_GU: tl.constexpr = B_O + H
     B_DN: tl.constexpr = B_GU + 2 * I
@@ -227,19 +227,18 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, I: tl.conste
     acc = tl.zeros([BR, RP], tl.float32)
     for i in tl.range(lo, hi, num_stages=STAGES):
         layer, seg, s, g, b, w_row, w_col, kcol, bpg = _coords(
-            i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, B_O, B_GU, B_DN, NCB, DB, 2 * BC
+            i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, B_O, B_GU, B_DN, NCB, DB, TPI * BC
         )
-        # Two [BR, BC] tiles an iteration: one activation round trip (L2) per 2 * BC columns.
-        w0 = desc.load([w_row, w_col])
-        w1 = desc.load([w_row, w_col + BC])
+        # TPI [BR, BC] tiles an iteration: one activation round trip (L2) per TPI * BC columns.
         # Only a matrix's first tile polls: the later ones need nothing more. Within a matrix nothing
         # is loaded ahead: a streamer's own outputs may be what the next matrix waits for.
         ok = _wait(cnt_ptr + layer * _SLOTS + _in_slot(seg), tl.where(s == 0, _target(seg, N, rows, NKV, NGU), 0),
                    INTERPRETED)  # fmt: skip
-        x0 = _x_tile(act_ptr, layer, seg, kcol, N, ok, H, I, L, BC, INTERPRETED)
-        x1 = _x_tile(act_ptr, layer, seg, kcol + BC, N, ok, H, I, L, BC, INTERPRETED)
-        acc = _dot(w0, x0, tl.where(b == 0, 0.0, acc), "ieee", INTERPRETED)
-        acc = _dot(w1, x1, acc, "ieee", INTERPRETED)
+        acc = tl.where(b == 0, 0.0, acc)
+        for t in tl.static_range(TPI):
+            w = desc.load([w_row, w_col + t * BC])
+            x = _x_tile(act_ptr, layer, seg, kcol + t * BC, N, ok, H, I, L, BC, INTERPRETED)
+            acc = _dot(w, x, acc, "ieee", INTERPRETED)
         if b == bpg - 1:
             _store_group(act_ptr, acc, layer, seg, g, N, H, I, L, INTERPRETED)
             _signal(cnt_ptr + layer * _SLOTS + _in_slot(seg) + 1, INTERPRETED)
@@ -345,7 +344,7 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, v
                      scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt,
                      H: tl.constexpr, I: tl.constexpr, L: tl.constexpr, NKV: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
-                     STAGES: tl.constexpr, SERIAL: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+                     STAGES: tl.constexpr, TPI: tl.constexpr, SERIAL: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     NQ: tl.constexpr = 3 * H // BR
     NO: tl.constexpr = H // BR
     NGU: tl.constexpr = 2 * I // BR
@@ -355,9 +354,9 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, v
         _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr,
                 bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2, stride_kl,
                 stride_kcs, stride_kch, stride_t, stride_bt, H, I, L, NKV, NQ, NO, NGU, ND, HEAD_DIM, PAGE,
-                BLOCK_N, BC, STAGES, INTERPRETED)  # fmt: skip
+                BLOCK_N, BC, STAGES, TPI, INTERPRETED)  # fmt: skip
     elif pid < G:
-        _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, False, 0, 0,
+        _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, False, 0, 0,
                 INTERPRETED)  # fmt: skip
     elif pid < G + rows * NKV:
         w = pid - G
@@ -383,7 +382,7 @@ def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, sl
             stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr,
             NKV: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
-            STAGES: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+            STAGES: tl.constexpr, TPI: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every role in dependency order, in one program (the interpreter runs programs one at a time).
     # The residual streams live in the out rows between steps (out is written last by the final norm).
     for tok in range(N):
@@ -391,7 +390,7 @@ def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, sl
         tl.store(out_ptr + tok * H + tl.arange(0, H), h)
     for layer in range(L):
         for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, True, layer,
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, True, layer,
                     0, INTERPRETED)  # fmt: skip
         for w in range(rows * NKV):
             _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
@@ -399,7 +398,7 @@ def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, sl
                     stride_kch, stride_t, stride_bt, H, I, L, NQ, HEAD_DIM, PAGE, BLOCK_N, True,
                     INTERPRETED)  # fmt: skip
         for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, True, layer,
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, True, layer,
                     1, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
@@ -408,10 +407,10 @@ def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, sl
             )
             tl.store(out_ptr + tok * H + tl.arange(0, H), h)
         for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, True, layer,
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, True, layer,
                     2, INTERPRETED)  # fmt: skip
         for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, True, layer,
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, True, layer,
                     3, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
@@ -464,7 +463,7 @@ class DataflowLoop:
     counters. Calls are CUDA-graph capturable (grid and scratch depend only on shapes).
     """
 
-    def __init__(self, model, streamers: int | None = None, stages: int = 12, block_n: int = 64):
+    def __init__(self, model, streamers: int | None = None, stages: int = 4, tiles: int = 2, block_n: int = 64):
         cfg = model.config
         why = supported(cfg)
         if why:
@@ -472,7 +471,8 @@ class DataflowLoop:
         self.cfg, self.eps = cfg, cfg.rms_norm_eps
         self.h, self.inter, self.layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
         self.weights, self.norms = pack_weights(model)
-        self.bc = min(256, self.h // 2)
+        self.bc = min(256, self.h // tiles)
+        self.tpi = tiles
         self.stages, self.block_n = stages, block_n
         dev = self.weights.device
         if streamers is None:
@@ -504,7 +504,7 @@ class DataflowLoop:
         )  # fmt: skip
         meta = dict(
             H=self.h, I=self.inter, L=self.layers, NKV=self.cfg.num_key_value_heads, HEAD_DIM=self.cfg.head_dim,
-            PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages, SERIAL=serial,
+            PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages, TPI=self.tpi, SERIAL=serial,
             INTERPRETED=serial, num_warps=4, num_stages=1,
         )  # fmt: skip
         if not serial:
