@@ -55,24 +55,32 @@ _SLOTS = tl.constexpr(SLOTS)
 
 @triton.jit
 def _wait(ptr, target, INTERPRETED: tl.constexpr):
-    # Every thread polls (acquire) until *ptr >= target; target <= 0 returns at once. Returns 0, so
-    # that the loads after it can depend on it (no load is hoisted above the poll). No CTA barrier:
-    # a barrier inside the streamers' loop would stop tl.range from pipelining the weight tiles.
+    # Thread 0 polls (acquire, backing off) until *ptr >= target, then a CTA barrier releases the others;
+    # target <= 0 (uniform) returns at once. Returns 0, so that the loads after it can depend on it (no
+    # load is hoisted above the poll). The barrier is inside the asm: tl.debug_barrier in the streamers'
+    # loop would stop tl.range from pipelining the weight tiles. (Every thread polling was 2.3x slower.)
     if INTERPRETED:  # programs run one at a time: a count short of its target is a bug, marked for the host
         short = (target > 0) & (tl.load(ptr) < target)
         tl.atomic_add(ptr, tl.where(short, -(1 << 24), 0))
         return 0
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .pred pw;
-        .reg .u32 rs;
+        .reg .pred pw, pz;
+        .reg .u32 rs, rt;
         mov.u32 $0, 0;
         setp.le.s32 pw, $2, 0;
         @pw bra DF_DONE;
+        mov.u32 rt, %tid.x;
+        setp.ne.u32 pz, rt, 0;
+        @pz bra DF_SYNC;
         DF_SPIN:
         ld.acquire.gpu.global.u32 rs, [$1];
         setp.lt.s32 pw, rs, $2;
-        @pw bra DF_SPIN;
+        @!pw bra DF_SYNC;
+        nanosleep.u32 32;
+        bra DF_SPIN;
+        DF_SYNC:
+        barrier.sync 0;
         DF_DONE:
         }""",
         constraints="=r,l,r",
