@@ -28,7 +28,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--configs", nargs="+", default=["128:2:4"], help="streamers:tiles per iteration:stages")
+    ap.add_argument(
+        "--configs", nargs="+", default=["128:2:4"], help="streamers:tiles per iteration:stages[:free]"
+    )
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--replays", type=int, default=100)
     args = ap.parse_args()
@@ -36,8 +38,8 @@ def main() -> None:
     cfg, page, max_blocks = model.config, 16, 64
     loops = {}
     for spec in args.configs:
-        g, t, s = (int(v) for v in spec.split(":"))
-        loops[spec] = DataflowLoop(model, streamers=g, tiles=t, stages=s)
+        g, t, s, *free = spec.split(":")  # a 4th field "free": the walk alone (no waits, no workers)
+        loops[spec] = DataflowLoop(model, streamers=int(g), tiles=int(t), stages=int(s), free=bool(free))
     for rows in args.rows:
         shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
         cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
@@ -47,22 +49,23 @@ def main() -> None:
         with torch.inference_mode():
             expect = run_loop_fused(model, h.clone(), attn)
             row = {"rows": rows, "context": args.context, "path": "run_loop_fused"}
-            row["ms"] = round(
-                replay_ms(capture(lambda: run_loop_fused(model, h.clone(), attn)), args.replays, 3), 4
-            )
+            graph = capture(lambda h=h, attn=attn: run_loop_fused(model, h.clone(), attn))
+            row["ms"] = round(replay_ms(graph, args.replays, 3), 4)
             print(json.dumps(row), flush=True)
             for spec, loop in loops.items():
                 got_cache = cache.clone()
                 got = loop(h, got_cache, attn.cos_sin, batch, page)
                 torch.cuda.synchronize()
                 k = loop.kernel
+                kv_diff = got_cache.float() - attn.kv_cache.float()
                 row = {"rows": rows, "path": "dataflow", "config": spec,
                        "regs": k.n_regs, "spills": k.n_spills, "smem": k.metadata.shared,
                        "max_diff": float((got.float() - expect.float()).abs().max()),
                        "max_ref": float(expect.float().abs().max()),
                        "frac_diff": float((got != expect).float().mean()),
-                       "kv_max_diff": float((got_cache.float() - attn.kv_cache.float()).abs().max())}  # fmt: skip
-                graph = capture(lambda loop=loop, c=got_cache: loop(h, c, attn.cos_sin, batch, page))
+                       "kv_max_diff": float(kv_diff.abs().max())}  # fmt: skip
+                step = lambda loop=loop, c=got_cache, h=h, a=attn, b=batch: loop(h, c, a.cos_sin, b, page)  # noqa: E731
+                graph = capture(step)
                 row["ms"] = round(replay_ms(graph, args.replays, 3), 4)
                 print(json.dumps(row), flush=True)
 

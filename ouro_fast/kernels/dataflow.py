@@ -28,6 +28,14 @@ with the same tile walk and arithmetic.
 Weights are repacked once into one [layers * rows_per_layer, hidden] bf16 tensor:
 qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a group's 16
 rows give 8 SiLU outputs), and down cut into column chunks of `hidden`, zero padded.
+
+Status: an experiment, not on the engine's path. It matches run_loop_fused bit for bit
+under the interpreter and within bf16 rounding on the H200, but one loop of the
+ouro-1.4b preset takes 2.6-3.0 ms at 1 row against 1.25 ms launched per kernel; with
+no waits and no workers (FREE, timing only) the tile walk alone takes 2.1-2.25 ms. So
+the per-tile path (an activation load from L2, its trip through shared memory into the
+dot, 16-row tiles) is what is slow, not the dependencies (docs/benchmarks.md, "Tenth
+session"; bench/gpu/dataflow_bench.py).
 """
 
 from __future__ import annotations
@@ -130,17 +138,17 @@ def _coords(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H: tl.constexpr, RPL: tl.c
 
 @triton.jit
 def _x_tile(act_ptr, layer, seg, kcol, N, ok, H: tl.constexpr,
-            I: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+            FF: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # The activation chunk a tile multiplies, transposed: [BC, RP] bf16 (zeros past N rows or K).
     # seg 3 (down) reads silu(gate) * up from the interleaved gate_up output, rounded as silu_and_mul.
     offs_k = kcol + tl.arange(0, BC)
     offs_m = tl.arange(0, RP)
     region = tl.where(seg == 0, 0, tl.where(seg == 1, 2, tl.where(seg == 2, 4, 5)))
-    width = tl.where(seg == 3, 2 * I, H)
-    k_ok = offs_k < tl.where(seg == 3, I, H)
+    width = tl.where(seg == 3, 2 * FF, H)
+    k_ok = offs_k < tl.where(seg == 3, FF, H)
     mask = (offs_m < N)[None, :] & k_ok[:, None]
     row = (layer * RP + offs_m).to(tl.int64)[None, :] * width
-    base = act_ptr + _region_off(region, H, I, L) + ok
+    base = act_ptr + _region_off(region, H, FF, L) + ok
     if seg == 3:
         col = (16 * (offs_k // 8) + offs_k % 8)[:, None]
         gate = tl.load(base + row + col, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -152,7 +160,7 @@ def _x_tile(act_ptr, layer, seg, kcol, N, ok, H: tl.constexpr,
 
 
 @triton.jit
-def _region_off(region, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr):
+def _region_off(region, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr):
     # Element offset of activation region r in the scratch: 0 xq, 1 qkv, 2 attention out, 3 o_proj out,
     # 4 xm, 5 gate_up out, 6 down out; each [L, RP, width].
     # (qkv is 3 * H wide: only Hq = Hkv, Ouro's plain MHA, is supported.)
@@ -163,7 +171,7 @@ def _region_off(region, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr):
         + tl.where(region > 3, 1, 0)
         + tl.where(region > 4, 1, 0)
     )
-    return L * RP * (n * H + tl.where(region > 5, 2 * I, 0))
+    return L * RP * (n * H + tl.where(region > 5, 2 * FF, 0))
 
 
 @triton.jit
@@ -175,18 +183,18 @@ def _store_group(
     g,
     N,
     H: tl.constexpr,
-    I: tl.constexpr,
+    FF: tl.constexpr,
     L: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # acc [BR, RP] (weight rows x tokens) -> the matrix's output columns g*BR.. of each token row.
     region = tl.where(seg == 0, 1, tl.where(seg == 1, 3, tl.where(seg == 2, 5, 6)))
-    width = tl.where(seg == 0, 3 * H, tl.where(seg == 2, 2 * I, H))
+    width = tl.where(seg == 0, 3 * H, tl.where(seg == 2, 2 * FF, H))
     offs_r = tl.arange(0, BR)
     offs_m = tl.arange(0, RP)
     ptrs = (
         act_ptr
-        + _region_off(region, H, I, L)
+        + _region_off(region, H, FF, L)
         + (layer * RP + offs_m).to(tl.int64)[None, :] * width
         + g * BR
         + offs_r[:, None]
@@ -208,17 +216,17 @@ def _target(seg, N, rows, NKV: tl.constexpr, NGU: tl.constexpr):
 
 
 @triton.jit
-def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr,
+def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr, NKV: tl.constexpr,
-            BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG,
-            INTERPRETED: tl.constexpr):  # fmt: skip
+            BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr,
+            SERIAL: tl.constexpr, LAYER, SEG, INTERPRETED: tl.constexpr):  # fmt: skip
     # Streamer c's walk; SERIAL: only its tiles of (LAYER, SEG), every activation loaded when used.
     NCB: tl.constexpr = H // (TPI * BC)
-    DB: tl.constexpr = (I + TPI * BC - 1) // (TPI * BC)
+    DB: tl.constexpr = (FF + TPI * BC - 1) // (TPI * BC)
     B_O: tl.constexpr = 3 * H
     B_GU: tl.constexpr = B_O + H
-    B_DN: tl.constexpr = B_GU + 2 * I
-    RPL: tl.constexpr = B_DN + ((I + H - 1) // H) * H
+    B_DN: tl.constexpr = B_GU + 2 * FF
+    RPL: tl.constexpr = B_DN + ((FF + H - 1) // H) * H
     q_lo, nq = _share(NQ, c, G)
     o_lo, no = _share(NO, c, G)
     u_lo, nu = _share(NGU, c, G)
@@ -240,22 +248,22 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, I: tl.conste
         # TPI [BR, BC] tiles an iteration: one activation round trip (L2) per TPI * BC columns.
         # Only a matrix's first tile polls: the later ones need nothing more. Within a matrix nothing
         # is loaded ahead: a streamer's own outputs may be what the next matrix waits for.
-        ok = _wait(cnt_ptr + layer * _SLOTS + _in_slot(seg), tl.where(s == 0, _target(seg, N, rows, NKV, NGU), 0),
-                   INTERPRETED)  # fmt: skip
+        tgt = tl.where((s == 0) & (not FREE), _target(seg, N, rows, NKV, NGU), 0)
+        ok = _wait(cnt_ptr + layer * _SLOTS + _in_slot(seg), tgt, INTERPRETED)
         acc = tl.where(b == 0, 0.0, acc)
         for t in tl.static_range(TPI):
             w = desc.load([w_row, w_col + t * BC])
-            x = _x_tile(act_ptr, layer, seg, kcol + t * BC, N, ok, H, I, L, BC, INTERPRETED)
+            x = _x_tile(act_ptr, layer, seg, kcol + t * BC, N, ok, H, FF, L, BC, INTERPRETED)
             acc = _dot(w, x, acc, "ieee", INTERPRETED)
         if b == bpg - 1:
-            _store_group(act_ptr, acc, layer, seg, g, N, H, I, L, INTERPRETED)
+            _store_group(act_ptr, acc, layer, seg, g, N, H, FF, L, INTERPRETED)
             _signal(cnt_ptr + layer * _SLOTS + _in_slot(seg) + 1, INTERPRETED)
 
 
 @triton.jit
 def _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
             tok_off_ptr, row, kv_head, layer, num_pos, scale_log2, stride_kl, stride_kcs, stride_kch,
-            stride_t, stride_bt, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr, NQ: tl.constexpr,
+            stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, NQ: tl.constexpr,
             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SERIAL: tl.constexpr,
             INTERPRETED: tl.constexpr):  # fmt: skip
     # fused_decode_attention's program (row, kv_head, the one slice) for one layer, on the scratch.
@@ -267,7 +275,7 @@ def _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_p
         slot = tl.load(slot_ptr + tok)
         start, end = slice_bounds(q_pos, 0, 1, BLOCK_N)
         cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM)
-        qkv = act_ptr + _region_off(1, H, I, L) + ok + (layer * RP + tok) * (3 * H)
+        qkv = act_ptr + _region_off(1, H, FF, L) + ok + (layer * RP + tok) * (3 * H)
         one = tl.arange(0, 1)
         q = _rotated(qkv, kv_head + one, one == 0, HEAD_DIM, cos, sin, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM,
                      act_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)  # fmt: skip
@@ -284,7 +292,7 @@ def _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_p
         if slot >= 0:
             _write_kv(kc, vc, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_kcs, stride_kch,
                       HEAD_DIM, HEAD_DIM)  # fmt: skip
-        out = act_ptr + _region_off(2, H, I, L) + (layer * RP) * H
+        out = act_ptr + _region_off(2, H, FF, L) + (layer * RP) * H
         store_normalised(out, tok, kv_head + one, one == 0, H, HEAD_DIM, acc, l_i, HEAD_DIM, HEAD_DIM,
                          INTERPRETED)  # fmt: skip
     _signal(cnt_ptr + layer * _SLOTS + 2, INTERPRETED)
@@ -292,12 +300,12 @@ def _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_p
 
 @triton.jit
 def _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, wait_slot, target, src_region, w_a_idx,
-               w_next_ptr, dst_ptr, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr,
+               w_next_ptr, dst_ptr, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr,
                INTERPRETED: tl.constexpr):  # fmt: skip
     # h += RMS(a, w_a); x = RMS(h, w_next) -> dst (add_rms_norm's arithmetic); returns the new h.
     offs = tl.arange(0, H)
     ok = _wait(cnt_ptr + layer * _SLOTS + wait_slot, target, INTERPRETED)
-    src = act_ptr + _region_off(src_region, H, I, L) + ok + (layer * RP + tok) * H
+    src = act_ptr + _region_off(src_region, H, FF, L) + ok + (layer * RP + tok) * H
     a = tl.load(src + offs, cache_modifier=".cg").to(tl.float32)
     w_a = tl.load(norm_ptr + (layer * 4 + w_a_idx) * H + offs).to(tl.float32)
     h = round_to(h + _rms(a, w_a, H, eps, tl.bfloat16, INTERPRETED), tl.bfloat16, INTERPRETED).to(tl.float32)
@@ -319,27 +327,29 @@ def _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H: tl.constexpr, IN
 
 @triton.jit
 def _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO: tl.constexpr, H: tl.constexpr,
-                    I: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+                    FF: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr,
+                    INTERPRETED: tl.constexpr):  # fmt: skip
     # After o_proj: h += RMS(o, input_layernorm_2); xm = RMS(h, post_attention_layernorm).
-    dst = act_ptr + _region_off(4, H, I, L) + (layer * RP + tok) * H
-    h = _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, 3, NO, 3, 1, norm_ptr + (layer * 4 + 2) * H,
-                   dst, H, I, L, SERIAL, INTERPRETED)  # fmt: skip
+    dst = act_ptr + _region_off(4, H, FF, L) + (layer * RP + tok) * H
+    h = _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, 3, NO, 3, 1,
+                   norm_ptr + (layer * 4 + 2) * H,
+                   dst, H, FF, L, SERIAL, INTERPRETED)  # fmt: skip
     _signal(cnt_ptr + layer * _SLOTS + 4, INTERPRETED)
     return h
 
 
 @triton.jit
 def _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND: tl.constexpr,
-                    H: tl.constexpr, I: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr,
+                    H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr,
                     INTERPRETED: tl.constexpr):  # fmt: skip
     # After down: h += RMS(d, post_attention_layernorm_2); x = RMS(h, next input_layernorm or final norm).
     if layer + 1 < L:
         w_next = norm_ptr + ((layer + 1) * 4) * H
-        dst = act_ptr + _region_off(0, H, I, L) + ((layer + 1) * RP + tok) * H
+        dst = act_ptr + _region_off(0, H, FF, L) + ((layer + 1) * RP + tok) * H
     else:
         w_next = norm_ptr + L * 4 * H
         dst = out_ptr + tok * H
-    h = _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, 6, ND, 6, 3, w_next, dst, H, I, L, SERIAL,
+    h = _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, 6, ND, 6, 3, w_next, dst, H, FF, L, SERIAL,
                    INTERPRETED)  # fmt: skip
     if layer + 1 < L:
         _signal(cnt_ptr + (layer + 1) * _SLOTS, INTERPRETED)
@@ -350,47 +360,54 @@ def _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND:
 def _dataflow_kernel(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
                      table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos,
                      scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt,
-                     H: tl.constexpr, I: tl.constexpr, L: tl.constexpr, NKV: tl.constexpr,
+                     H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, NKV: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
-                     STAGES: tl.constexpr, TPI: tl.constexpr, SERIAL: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+                     STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr, SERIAL: tl.constexpr,
+                     INTERPRETED: tl.constexpr):  # fmt: skip
     NQ: tl.constexpr = 3 * H // BR
     NO: tl.constexpr = H // BR
-    NGU: tl.constexpr = 2 * I // BR
+    NGU: tl.constexpr = 2 * FF // BR
     ND: tl.constexpr = H // BR
     pid = tl.program_id(0)
     if SERIAL:
-        _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr,
+        _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
+                table_ptr,
                 bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2, stride_kl,
-                stride_kcs, stride_kch, stride_t, stride_bt, H, I, L, NKV, NQ, NO, NGU, ND, HEAD_DIM, PAGE,
-                BLOCK_N, BC, STAGES, TPI, INTERPRETED)  # fmt: skip
+                stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NKV, NQ, NO, NGU, ND, HEAD_DIM, PAGE,
+                BLOCK_N, BC, STAGES, TPI, FREE, INTERPRETED)  # fmt: skip
     elif pid < G:
-        _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, False, 0, 0,
-                INTERPRETED)  # fmt: skip
+        _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI,
+                FREE,
+                False, 0, 0, INTERPRETED)  # fmt: skip
+    elif FREE:  # timing of the streamers' walk alone: no worker runs, no streamer waits
+        pass
     elif pid < G + rows * NKV:
         w = pid - G
         for layer in range(L):
-            _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
+            _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr,
+                    len_ptr,
                     tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl, stride_kcs,
-                    stride_kch, stride_t, stride_bt, H, I, L, NQ, HEAD_DIM, PAGE, BLOCK_N, False,
+                    stride_kch, stride_t, stride_bt, H, FF, L, NQ, HEAD_DIM, PAGE, BLOCK_N, False,
                     INTERPRETED)  # fmt: skip
     else:
         tok = pid - G - rows * NKV
         h = _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H, INTERPRETED)
         for layer in range(L):
             h = _norm_layer_mid(
-                act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, I, L, False, INTERPRETED
+                act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, False, INTERPRETED
             )
-            h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, I, L, False,
+            h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L, False,
                                 INTERPRETED)  # fmt: skip
 
 
 @triton.jit
 def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr,
             bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2, stride_kl,
-            stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, I: tl.constexpr, L: tl.constexpr,
+            stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NKV: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
-            STAGES: tl.constexpr, TPI: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+            STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr,
+            INTERPRETED: tl.constexpr):  # fmt: skip
     # Every role in dependency order, in one program (the interpreter runs programs one at a time).
     # The residual streams live in the out rows between steps (out is written last by the final norm).
     for tok in range(N):
@@ -398,31 +415,36 @@ def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, sl
         tl.store(out_ptr + tok * H + tl.arange(0, H), h)
     for layer in range(L):
         for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, True, layer,
-                    0, INTERPRETED)  # fmt: skip
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, FREE,
+                    True, layer, 0, INTERPRETED)  # fmt: skip
         for w in range(rows * NKV):
-            _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
+            _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr,
+                    len_ptr,
                     tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl, stride_kcs,
-                    stride_kch, stride_t, stride_bt, H, I, L, NQ, HEAD_DIM, PAGE, BLOCK_N, True,
+                    stride_kch, stride_t, stride_bt, H, FF, L, NQ, HEAD_DIM, PAGE, BLOCK_N, True,
                     INTERPRETED)  # fmt: skip
         for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, True, layer,
-                    1, INTERPRETED)  # fmt: skip
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, FREE,
+                    True, layer, 1, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_mid(
-                act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, I, L, True, INTERPRETED
+                act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, True, INTERPRETED
             )
             tl.store(out_ptr + tok * H + tl.arange(0, H), h)
         for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, True, layer,
-                    2, INTERPRETED)  # fmt: skip
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, FREE,
+                    True, layer, 2, INTERPRETED)  # fmt: skip
         for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, I, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, True, layer,
-                    3, INTERPRETED)  # fmt: skip
+            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, FREE,
+                    True, layer, 3, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
-            h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, I, L, True,
+            h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L, True,
                                 INTERPRETED)  # fmt: skip
             if layer + 1 < L:
                 tl.store(out_ptr + tok * H + tl.arange(0, H), h)
@@ -471,7 +493,15 @@ class DataflowLoop:
     counters. Calls are CUDA-graph capturable (grid and scratch depend only on shapes).
     """
 
-    def __init__(self, model, streamers: int | None = None, stages: int = 4, tiles: int = 2, block_n: int = 64):
+    def __init__(
+        self,
+        model,
+        streamers: int | None = None,
+        stages: int = 4,
+        tiles: int = 2,
+        block_n: int = 64,
+        free: bool = False,
+    ):
         cfg = model.config
         why = supported(cfg)
         if why:
@@ -481,6 +511,7 @@ class DataflowLoop:
         self.weights, self.norms = pack_weights(model)
         self.bc = min(256, self.h // tiles)
         self.tpi = tiles
+        self.free = free  # benchmarks only: no waits and no workers (wrong results; the walk's own speed)
         self.stages, self.block_n = stages, block_n
         dev = self.weights.device
         if streamers is None:
@@ -507,12 +538,15 @@ class DataflowLoop:
         args = (
             self.desc, self.act, self.counters, self.norms, h, out, kc, vc, batch.slot_mapping,
             batch.positions, cos_sin, batch.block_tables, batch.row_q_start, batch.row_len, batch.row_tok_off,
-            self.streamers, n, rows, self.eps, cos_sin.shape[0], self.cfg.head_dim ** -0.5 * 1.4426950408889634,
+            self.streamers, n, rows, self.eps, cos_sin.shape[0],
+            self.cfg.head_dim ** -0.5 * 1.4426950408889634,
             kc.stride(0), kc.stride(1), kc.stride(2), cos_sin.stride(0), batch.block_tables.stride(0),
         )  # fmt: skip
         meta = dict(
-            H=self.h, I=self.inter, L=self.layers, NKV=self.cfg.num_key_value_heads, HEAD_DIM=self.cfg.head_dim,
-            PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages, TPI=self.tpi, SERIAL=serial,
+            H=self.h, FF=self.inter, L=self.layers, NKV=self.cfg.num_key_value_heads,
+            HEAD_DIM=self.cfg.head_dim,
+            PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages, TPI=self.tpi,
+            FREE=self.free, SERIAL=serial,
             INTERPRETED=serial, num_warps=4, num_stages=1,
         )  # fmt: skip
         if not serial:
@@ -532,8 +566,10 @@ class DataflowLoop:
             65536 // max(1, kernel.n_regs * 128), (233472 - 1024) // (kernel.metadata.shared + 1024), 32
         )
         if programs > per_sm * props.multi_processor_count:
-            raise RuntimeError(f"dataflow loop: {programs} programs cannot all be resident ({per_sm} per SM: "
-                               f"{kernel.n_regs} registers, {kernel.metadata.shared} bytes of shared memory)")  # fmt: skip
+            raise RuntimeError(
+                f"dataflow loop: {programs} programs cannot all be resident ({per_sm} per SM: "
+                f"{kernel.n_regs} registers, {kernel.metadata.shared} bytes of shared memory)"
+            )
         self.kernel = kernel
 
 
