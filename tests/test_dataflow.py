@@ -85,9 +85,11 @@ def test_dataflow_loop_matches_run_loop_fused(streamers, tiles):
     with torch.no_grad():
         expect = run_loop_fused(model, h.clone(), attn)
         got = loop(h, got_cache, attn.cos_sin, batch, PAGE)
-    # The dot sums each product in another order than the skinny matmul: bf16 rounding apart.
-    torch.testing.assert_close(got, expect, atol=0.05, rtol=0.02)
-    torch.testing.assert_close(got_cache, attn.kv_cache, atol=0.05, rtol=0.02)
+    if DEV == "cpu":  # fp32 sums of these short rows round to the same bf16 values in both (seeded)
+        assert torch.equal(got, expect) and torch.equal(got_cache, attn.kv_cache)
+    else:  # the GPU's dot sums in another order than the skinny matmul: bf16 rounding apart
+        torch.testing.assert_close(got, expect, atol=0.05, rtol=0.02)
+        torch.testing.assert_close(got_cache, attn.kv_cache, atol=0.05, rtol=0.02)
     written = batch.slot_mapping
     assert not torch.equal(got_cache[:, :, written], cache[:, :, written])  # the new K/V was written
 
