@@ -20,6 +20,7 @@ from ouro_fast.model.config import OuroConfig  # noqa: E402
 from ouro_fast.model.fast_loop import run_loop_fused  # noqa: E402
 from ouro_fast.model.ouro import OuroForCausalLM  # noqa: E402
 from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention  # noqa: E402
+from tests.test_model import make_model as random_model  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Intermediate 320 is 2.5 x hidden: down's last column chunk is partly padding.
@@ -29,15 +30,7 @@ PAGE = 4
 
 
 def make_model():
-    torch.manual_seed(0)
-    model = OuroForCausalLM(CFG).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name.endswith("_2.weight") or name == "model.norm.weight":
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    model = model.to(device=DEV, dtype=torch.bfloat16)
+    model = random_model(CFG).to(device=DEV, dtype=torch.bfloat16)
     model.fuse()
     return model
 
