@@ -29,7 +29,7 @@ Weights are repacked once into one [layers * rows_per_layer, hidden] bf16 tensor
 qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a group's 16
 rows give 8 SiLU outputs), and down cut into column chunks of `hidden`, zero padded.
 
-Status: an experiment, not on the engine's path. It matches run_loop_fused bit for bit
+Status: an experiment, not on the engine's path. In the tests it matches run_loop_fused bit for bit
 under the interpreter and within bf16 rounding on the H200, but one loop of the
 ouro-1.4b preset takes 2.6-3.0 ms at 1 row against 1.25 ms launched per kernel; with
 no waits and no workers (FREE, timing only) the tile walk alone takes 2.1-2.25 ms. So
@@ -264,7 +264,7 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
 def _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
             tok_off_ptr, row, kv_head, layer, num_pos, scale_log2, stride_kl, stride_kcs, stride_kch,
             stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, NQ: tl.constexpr,
-            HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SERIAL: tl.constexpr,
+            HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
             INTERPRETED: tl.constexpr):  # fmt: skip
     # fused_decode_attention's program (row, kv_head, the one slice) for one layer, on the scratch.
     ok = _wait(cnt_ptr + layer * _SLOTS + 1, NQ, INTERPRETED)
@@ -300,7 +300,7 @@ def _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_p
 
 @triton.jit
 def _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, wait_slot, target, src_region, w_a_idx,
-               w_next_ptr, dst_ptr, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr,
+               w_next_ptr, dst_ptr, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
                INTERPRETED: tl.constexpr):  # fmt: skip
     # h += RMS(a, w_a); x = RMS(h, w_next) -> dst (add_rms_norm's arithmetic); returns the new h.
     offs = tl.arange(0, H)
@@ -327,20 +327,20 @@ def _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H: tl.constexpr, IN
 
 @triton.jit
 def _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO: tl.constexpr, H: tl.constexpr,
-                    FF: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr,
+                    FF: tl.constexpr, L: tl.constexpr,
                     INTERPRETED: tl.constexpr):  # fmt: skip
     # After o_proj: h += RMS(o, input_layernorm_2); xm = RMS(h, post_attention_layernorm).
     dst = act_ptr + _region_off(4, H, FF, L) + (layer * RP + tok) * H
-    h = _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, 3, NO, 3, 1,
-                   norm_ptr + (layer * 4 + 2) * H,
-                   dst, H, FF, L, SERIAL, INTERPRETED)  # fmt: skip
+    w_next = norm_ptr + (layer * 4 + 2) * H
+    h = _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, 3, NO, 3, 1, w_next, dst, H, FF, L,
+                   INTERPRETED)  # fmt: skip
     _signal(cnt_ptr + layer * _SLOTS + 4, INTERPRETED)
     return h
 
 
 @triton.jit
 def _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND: tl.constexpr,
-                    H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, SERIAL: tl.constexpr,
+                    H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
                     INTERPRETED: tl.constexpr):  # fmt: skip
     # After down: h += RMS(d, post_attention_layernorm_2); x = RMS(h, next input_layernorm or final norm).
     if layer + 1 < L:
@@ -349,7 +349,7 @@ def _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND:
     else:
         w_next = norm_ptr + L * 4 * H
         dst = out_ptr + tok * H
-    h = _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, 6, ND, 6, 3, w_next, dst, H, FF, L, SERIAL,
+    h = _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, 6, ND, 6, 3, w_next, dst, H, FF, L,
                    INTERPRETED)  # fmt: skip
     if layer + 1 < L:
         _signal(cnt_ptr + (layer + 1) * _SLOTS, INTERPRETED)
@@ -371,33 +371,39 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, v
     pid = tl.program_id(0)
     if SERIAL:
         _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
-                table_ptr,
-                bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2, stride_kl,
-                stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NKV, NQ, NO, NGU, ND, HEAD_DIM, PAGE,
-                BLOCK_N, BC, STAGES, TPI, FREE, INTERPRETED)  # fmt: skip
+                table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2,
+                stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NKV, NQ, NO, NGU, ND,
+                HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, INTERPRETED)  # fmt: skip
     elif pid < G:
         _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI,
-                FREE,
-                False, 0, 0, INTERPRETED)  # fmt: skip
+                FREE, False, 0, 0, INTERPRETED)  # fmt: skip
     elif FREE:  # timing of the streamers' walk alone: no worker runs, no streamer waits
         pass
     elif pid < G + rows * NKV:
         w = pid - G
         for layer in range(L):
             _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr,
-                    len_ptr,
-                    tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl, stride_kcs,
-                    stride_kch, stride_t, stride_bt, H, FF, L, NQ, HEAD_DIM, PAGE, BLOCK_N, False,
+                    len_ptr, tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl,
+                    stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ, HEAD_DIM, PAGE, BLOCK_N,
                     INTERPRETED)  # fmt: skip
     else:
         tok = pid - G - rows * NKV
         h = _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H, INTERPRETED)
         for layer in range(L):
-            h = _norm_layer_mid(
-                act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, False, INTERPRETED
-            )
-            h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L, False,
+            h = _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, INTERPRETED)
+            h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L,
                                 INTERPRETED)  # fmt: skip
+
+
+@triton.jit
+def _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, seg, H: tl.constexpr, FF: tl.constexpr,
+                L: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
+                NKV: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr,
+                INTERPRETED: tl.constexpr):  # fmt: skip
+    # Every streamer's tiles of one matrix of one layer, streamer by streamer (the serial form).
+    for c in range(G):
+        _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, False,
+                True, layer, seg, INTERPRETED)  # fmt: skip
 
 
 @triton.jit
@@ -406,45 +412,33 @@ def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, sl
             stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NKV: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
-            STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr,
-            INTERPRETED: tl.constexpr):  # fmt: skip
+            STAGES: tl.constexpr, TPI: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every role in dependency order, in one program (the interpreter runs programs one at a time).
     # The residual streams live in the out rows between steps (out is written last by the final norm).
     for tok in range(N):
         h = _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H, INTERPRETED)
         tl.store(out_ptr + tok * H + tl.arange(0, H), h)
     for layer in range(L):
-        for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, FREE,
-                    True, layer, 0, INTERPRETED)  # fmt: skip
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 0, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, INTERPRETED)  # fmt: skip
         for w in range(rows * NKV):
             _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr,
-                    len_ptr,
-                    tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl, stride_kcs,
-                    stride_kch, stride_t, stride_bt, H, FF, L, NQ, HEAD_DIM, PAGE, BLOCK_N, True,
+                    len_ptr, tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl,
+                    stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ, HEAD_DIM, PAGE, BLOCK_N,
                     INTERPRETED)  # fmt: skip
-        for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, FREE,
-                    True, layer, 1, INTERPRETED)  # fmt: skip
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 1, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
-            h = _norm_layer_mid(
-                act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, True, INTERPRETED
-            )
+            h = _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, INTERPRETED)
             tl.store(out_ptr + tok * H + tl.arange(0, H), h)
-        for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, FREE,
-                    True, layer, 2, INTERPRETED)  # fmt: skip
-        for c in range(G):
-            _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, FREE,
-                    True, layer, 3, INTERPRETED)  # fmt: skip
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 2, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, INTERPRETED)  # fmt: skip
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 3, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
-            h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L, True,
+            h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L,
                                 INTERPRETED)  # fmt: skip
             if layer + 1 < L:
                 tl.store(out_ptr + tok * H + tl.arange(0, H), h)
@@ -538,16 +532,13 @@ class DataflowLoop:
         args = (
             self.desc, self.act, self.counters, self.norms, h, out, kc, vc, batch.slot_mapping,
             batch.positions, cos_sin, batch.block_tables, batch.row_q_start, batch.row_len, batch.row_tok_off,
-            self.streamers, n, rows, self.eps, cos_sin.shape[0],
-            self.cfg.head_dim ** -0.5 * 1.4426950408889634,
+            self.streamers, n, rows, self.eps, cos_sin.shape[0], self.cfg.head_dim**-0.5 * 1.4426950408889634,
             kc.stride(0), kc.stride(1), kc.stride(2), cos_sin.stride(0), batch.block_tables.stride(0),
         )  # fmt: skip
         meta = dict(
             H=self.h, FF=self.inter, L=self.layers, NKV=self.cfg.num_key_value_heads,
-            HEAD_DIM=self.cfg.head_dim,
-            PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages, TPI=self.tpi,
-            FREE=self.free, SERIAL=serial,
-            INTERPRETED=serial, num_warps=4, num_stages=1,
+            HEAD_DIM=self.cfg.head_dim, PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages,
+            TPI=self.tpi, FREE=self.free, SERIAL=serial, INTERPRETED=serial, num_warps=4, num_stages=1,
         )  # fmt: skip
         if not serial:
             self._check_resident(grid[0], _dataflow_kernel.warmup(*args, grid=grid, **meta))
