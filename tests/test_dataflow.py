@@ -57,14 +57,18 @@ def decode_batch(rows, bt):
     )
 
 
-@pytest.mark.parametrize("streamers, tiles", [(1, 2), (3, 2), (3, 4)])
-def test_dataflow_loop_matches_run_loop_fused(streamers, tiles):
+# One token runs the ONE_ROW path (its activation row in registers) unless one_row is off.
+@pytest.mark.parametrize(
+    "streamers, tiles, tokens, one_row", [(1, 2, 4, True), (3, 2, 4, True), (3, 4, 4, True), (3, 2, 1, True),
+                                          (2, 4, 1, True), (3, 2, 1, False)]
+)  # fmt: skip
+def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row):
     model = make_model()
     bt = BlockTable(64, PAGE, 4, 3, 6)
     for slot in range(3):
         assert bt.allocate(slot, 20)
     # Contexts of 1 to 20 positions at different loops, one of them a page boundary.
-    rows = [(0, 0, 7), (1, 2, 19), (2, 3, 0), (0, 1, 4)]
+    rows = [(1, 2, 19), (0, 0, 7), (2, 3, 0), (0, 1, 4)][:tokens]
     batch = decode_batch(rows, bt)
     shape = (2, CFG.num_hidden_layers, 64 * PAGE, CFG.num_key_value_heads, CFG.head_dim)
     cache = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEV, torch.bfloat16)
@@ -73,7 +77,7 @@ def test_dataflow_loop_matches_run_loop_fused(streamers, tiles):
     h = torch.randn(len(rows), CFG.hidden_size, generator=torch.Generator().manual_seed(2)).to(
         DEV, torch.bfloat16
     )
-    loop = DataflowLoop(model, streamers=streamers, tiles=tiles)
+    loop = DataflowLoop(model, streamers=streamers, tiles=tiles, one_row=one_row)
     got_cache = cache.clone()
     with torch.no_grad():
         expect = run_loop_fused(model, h.clone(), attn)

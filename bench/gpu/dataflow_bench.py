@@ -3,7 +3,7 @@
 Per row count and config: one loop from the same h and KV cache through both (max |difference| of the
 outputs and of the K/V they wrote), then each captured in a CUDA graph and replayed. Prints JSON lines.
 
-    python3 bench/gpu/dataflow_bench.py --rows 1 8 --configs 128:2:4 256:2:4 128:4:4
+    python3 bench/gpu/dataflow_bench.py --rows 1 8 --configs 128:2:4 256:4:2 256:4:2:row 128:2:4:free
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument(
-        "--configs", nargs="+", default=["128:2:4"], help="streamers:tiles per iteration:stages[:free]"
+        "--configs", nargs="+", default=["128:2:4"], help="streamers:tiles per iteration:stages[:free][:row]"
     )
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--replays", type=int, default=100)
@@ -38,8 +38,10 @@ def main() -> None:
     cfg, page, max_blocks = model.config, 16, 64
     loops = {}
     for spec in args.configs:
-        g, t, s, *free = spec.split(":")  # a 4th field "free": the walk alone (no waits, no workers)
-        loops[spec] = DataflowLoop(model, streamers=int(g), tiles=int(t), stages=int(s), free=bool(free))
+        # Flags after the numbers: "free", the walk alone (no waits, no workers); "row", one_row at 1 token.
+        g, t, s, *flags = spec.split(":")
+        loops[spec] = DataflowLoop(model, streamers=int(g), tiles=int(t), stages=int(s), free="free" in flags,
+                                   one_row="row" in flags)  # fmt: skip
     for rows in args.rows:
         shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
         cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)

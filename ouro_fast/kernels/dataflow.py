@@ -35,7 +35,8 @@ ouro-1.4b preset takes 2.6-3.0 ms at 1 row against 1.25 ms launched per kernel; 
 no waits and no workers (FREE, timing only) the tile walk alone takes 2.1-2.25 ms. So
 the per-tile path (an activation load from L2, its trip through shared memory into the
 dot, 16-row tiles) is what is slow, not the dependencies (docs/benchmarks.md, "Tenth
-session"; bench/gpu/dataflow_bench.py).
+session"; bench/gpu/dataflow_bench.py). ONE_ROW (one token: its activation row loaded once
+per matrix and kept in registers) is the first step against that; it is CPU-tested only.
 """
 
 from __future__ import annotations
@@ -160,6 +161,34 @@ def _x_tile(act_ptr, layer, seg, kcol, N, ok, H: tl.constexpr,
 
 
 @triton.jit
+def _x_row(act_ptr, layer, seg, ok, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, KX: tl.constexpr,
+           INTERPRETED: tl.constexpr):  # fmt: skip
+    # One token's whole activation row for a matrix, [KX] bf16 (zeros past K): _x_tile's values, all at once.
+    offs_k = tl.arange(0, KX)
+    region = tl.where(seg == 0, 0, tl.where(seg == 1, 2, tl.where(seg == 2, 4, 5)))
+    mask = offs_k < tl.where(seg == 3, FF, H)
+    base = act_ptr + _region_off(region, H, FF, L) + ok + layer * RP * tl.where(seg == 3, 2 * FF, H)
+    if seg == 3:
+        col = 16 * (offs_k // 8) + offs_k % 8
+        gate = tl.load(base + col, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        up = tl.load(base + col + 8, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        x = silu_mul(gate, up, tl.bfloat16, INTERPRETED)
+    else:
+        x = tl.load(base + offs_k, mask=mask, other=0.0, cache_modifier=".cg")
+    return x
+
+
+@triton.jit
+def _row_dot(w, x_row, j, KX: tl.constexpr, BC: tl.constexpr):
+    # w [BR, BC] times chunk j of x_row [KX] (picked by a masked sum: registers cannot be indexed),
+    # on CUDA cores; returns [BR, RP] fp32 with the sums in token column 0.
+    chunks = tl.reshape(x_row, [KX // BC, BC]).to(tl.float32)
+    x = tl.sum(tl.where((tl.arange(0, KX // BC) == j)[:, None], chunks, 0.0), axis=0)
+    part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    return tl.where((tl.arange(0, RP) == 0)[None, :], part[:, None], 0.0)
+
+
+@triton.jit
 def _region_off(region, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr):
     # Element offset of activation region r in the scratch: 0 xq, 1 qkv, 2 attention out, 3 o_proj out,
     # 4 xm, 5 gate_up out, 6 down out; each [L, RP, width].
@@ -219,7 +248,8 @@ def _target(seg, N, rows, NKV: tl.constexpr, NGU: tl.constexpr):
 def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr, NKV: tl.constexpr,
             BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr,
-            SERIAL: tl.constexpr, LAYER, SEG, INTERPRETED: tl.constexpr):  # fmt: skip
+            ONE_ROW: tl.constexpr, KX: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG,
+            INTERPRETED: tl.constexpr):  # fmt: skip
     # Streamer c's walk; SERIAL: only its tiles of (LAYER, SEG), every activation loaded when used.
     NCB: tl.constexpr = H // (TPI * BC)
     DB: tl.constexpr = (FF + TPI * BC - 1) // (TPI * BC)
@@ -241,6 +271,7 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
         lo = LAYER * P + tl.where(SEG == 0, 0, tl.where(SEG == 1, e1, tl.where(SEG == 2, e2, e3)))
         hi = LAYER * P + tl.where(SEG == 0, e1, tl.where(SEG == 1, e2, tl.where(SEG == 2, e3, P)))
     acc = tl.zeros([BR, RP], tl.float32)
+    x_row = tl.zeros([KX], tl.bfloat16)  # ONE_ROW: the token's activation row of the current matrix
     for i in tl.range(lo, hi, num_stages=STAGES):
         layer, seg, s, g, b, w_row, w_col, kcol, bpg = _coords(
             i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, B_O, B_GU, B_DN, NCB, DB, TPI * BC
@@ -251,10 +282,18 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
         tgt = tl.where((s == 0) & (not FREE), _target(seg, N, rows, NKV, NGU), 0)
         ok = _wait(cnt_ptr + layer * _SLOTS + _in_slot(seg), tgt, INTERPRETED)
         acc = tl.where(b == 0, 0.0, acc)
-        for t in tl.static_range(TPI):
-            w = desc.load([w_row, w_col + t * BC])
-            x = _x_tile(act_ptr, layer, seg, kcol + t * BC, N, ok, H, FF, L, BC, INTERPRETED)
-            acc = _dot(w, x, acc, "ieee", INTERPRETED)
+        if ONE_ROW:
+            # One token: its row is loaded once per matrix and each tile's chunk is picked in registers.
+            if s == 0:
+                x_row = _x_row(act_ptr, layer, seg, ok, H, FF, L, KX, INTERPRETED)
+            for t in tl.static_range(TPI):
+                w = desc.load([w_row, w_col + t * BC])
+                acc += _row_dot(w, x_row, kcol // BC + t, KX, BC)
+        else:
+            for t in tl.static_range(TPI):
+                w = desc.load([w_row, w_col + t * BC])
+                x = _x_tile(act_ptr, layer, seg, kcol + t * BC, N, ok, H, FF, L, BC, INTERPRETED)
+                acc = _dot(w, x, acc, "ieee", INTERPRETED)
         if b == bpg - 1:
             _store_group(act_ptr, acc, layer, seg, g, N, H, FF, L, INTERPRETED)
             _signal(cnt_ptr + layer * _SLOTS + _in_slot(seg) + 1, INTERPRETED)
@@ -362,8 +401,8 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, v
                      scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt,
                      H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, NKV: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
-                     STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr, SERIAL: tl.constexpr,
-                     INTERPRETED: tl.constexpr):  # fmt: skip
+                     STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr, ONE_ROW: tl.constexpr,
+                     KX: tl.constexpr, SERIAL: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     NQ: tl.constexpr = 3 * H // BR
     NO: tl.constexpr = H // BR
     NGU: tl.constexpr = 2 * FF // BR
@@ -373,10 +412,10 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, v
         _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
                 table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2,
                 stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NKV, NQ, NO, NGU, ND,
-                HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, INTERPRETED)  # fmt: skip
+                HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, ONE_ROW, KX, INTERPRETED)  # fmt: skip
     elif pid < G:
         _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI,
-                FREE, False, 0, 0, INTERPRETED)  # fmt: skip
+                FREE, ONE_ROW, KX, False, 0, 0, INTERPRETED)  # fmt: skip
     elif FREE:  # timing of the streamers' walk alone: no worker runs, no streamer waits
         pass
     elif pid < G + rows * NKV:
@@ -399,11 +438,11 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, v
 def _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, seg, H: tl.constexpr, FF: tl.constexpr,
                 L: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
                 NKV: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr,
-                INTERPRETED: tl.constexpr):  # fmt: skip
+                ONE_ROW: tl.constexpr, KX: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every streamer's tiles of one matrix of one layer, streamer by streamer (the serial form).
     for c in range(G):
         _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, False,
-                True, layer, seg, INTERPRETED)  # fmt: skip
+                ONE_ROW, KX, True, layer, seg, INTERPRETED)  # fmt: skip
 
 
 @triton.jit
@@ -412,7 +451,8 @@ def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, sl
             stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NKV: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
-            STAGES: tl.constexpr, TPI: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+            STAGES: tl.constexpr, TPI: tl.constexpr, ONE_ROW: tl.constexpr, KX: tl.constexpr,
+            INTERPRETED: tl.constexpr):  # fmt: skip
     # Every role in dependency order, in one program (the interpreter runs programs one at a time).
     # The residual streams live in the out rows between steps (out is written last by the final norm).
     for tok in range(N):
@@ -420,22 +460,22 @@ def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, sl
         tl.store(out_ptr + tok * H + tl.arange(0, H), h)
     for layer in range(L):
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 0, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, KX, INTERPRETED)  # fmt: skip
         for w in range(rows * NKV):
             _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr,
                     len_ptr, tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl,
                     stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ, HEAD_DIM, PAGE, BLOCK_N,
                     INTERPRETED)  # fmt: skip
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 1, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, KX, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, INTERPRETED)
             tl.store(out_ptr + tok * H + tl.arange(0, H), h)
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 2, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, KX, INTERPRETED)  # fmt: skip
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 3, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, KX, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L,
@@ -495,6 +535,7 @@ class DataflowLoop:
         tiles: int = 2,
         block_n: int = 64,
         free: bool = False,
+        one_row: bool = False,
     ):
         cfg = model.config
         why = supported(cfg)
@@ -506,6 +547,9 @@ class DataflowLoop:
         self.bc = min(256, self.h // tiles)
         self.tpi = tiles
         self.free = free  # benchmarks only: no waits and no workers (wrong results; the walk's own speed)
+        # One token: its activation row in registers, no per-tile load (CPU-tested; not yet run on a GPU).
+        self.one_row = one_row
+        self.kx = triton.next_power_of_2(max(self.h, self.inter))
         self.stages, self.block_n = stages, block_n
         dev = self.weights.device
         if streamers is None:
@@ -538,7 +582,8 @@ class DataflowLoop:
         meta = dict(
             H=self.h, FF=self.inter, L=self.layers, NKV=self.cfg.num_key_value_heads,
             HEAD_DIM=self.cfg.head_dim, PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages,
-            TPI=self.tpi, FREE=self.free, SERIAL=serial, INTERPRETED=serial, num_warps=4, num_stages=1,
+            TPI=self.tpi, FREE=self.free, ONE_ROW=n == 1 and self.one_row, KX=self.kx, SERIAL=serial,
+            INTERPRETED=serial, num_warps=4, num_stages=1,
         )  # fmt: skip
         if not serial:
             self._check_resident(grid[0], _dataflow_kernel.warmup(*args, grid=grid, **meta))
