@@ -67,7 +67,7 @@ def _wait(ptr, target, INTERPRETED: tl.constexpr):
     # Thread 0 polls (acquire, backing off) until *ptr >= target, then a CTA barrier releases the others;
     # target <= 0 (uniform) returns at once. Returns 0, so that the loads after it can depend on it (no
     # load is hoisted above the poll). The barrier is inside the asm: tl.debug_barrier in the streamers'
-    # loop would stop tl.range from pipelining the weight tiles. (Every thread polling was 2.3x slower.)
+    # loop would stop tl.range from pipelining the weight tiles. (Every thread polling: no faster.)
     if INTERPRETED:  # programs run one at a time: a count short of its target is a bug, marked for the host
         short = (target > 0) & (tl.load(ptr) < target)
         tl.atomic_add(ptr, tl.where(short, -(1 << 24), 0))
@@ -138,13 +138,19 @@ def _coords(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H: tl.constexpr, RPL: tl.c
 
 
 @triton.jit
+def _x_region(seg):
+    # The scratch region a matrix reads its activation from: xq, attention out, xm, gate_up out.
+    return tl.where(seg == 0, 0, tl.where(seg == 1, 2, tl.where(seg == 2, 4, 5)))
+
+
+@triton.jit
 def _x_tile(act_ptr, layer, seg, kcol, N, ok, H: tl.constexpr,
             FF: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # The activation chunk a tile multiplies, transposed: [BC, RP] bf16 (zeros past N rows or K).
     # seg 3 (down) reads silu(gate) * up from the interleaved gate_up output, rounded as silu_and_mul.
     offs_k = kcol + tl.arange(0, BC)
     offs_m = tl.arange(0, RP)
-    region = tl.where(seg == 0, 0, tl.where(seg == 1, 2, tl.where(seg == 2, 4, 5)))
+    region = _x_region(seg)
     width = tl.where(seg == 3, 2 * FF, H)
     k_ok = offs_k < tl.where(seg == 3, FF, H)
     mask = (offs_m < N)[None, :] & k_ok[:, None]
@@ -165,7 +171,7 @@ def _x_row(act_ptr, layer, seg, ok, H: tl.constexpr, FF: tl.constexpr, L: tl.con
            INTERPRETED: tl.constexpr):  # fmt: skip
     # One token's whole activation row for a matrix, [KX] bf16 (zeros past K): _x_tile's values, all at once.
     offs_k = tl.arange(0, KX)
-    region = tl.where(seg == 0, 0, tl.where(seg == 1, 2, tl.where(seg == 2, 4, 5)))
+    region = _x_region(seg)
     mask = offs_k < tl.where(seg == 3, FF, H)
     base = act_ptr + _region_off(region, H, FF, L) + ok + layer * RP * tl.where(seg == 3, 2 * FF, H)
     if seg == 3:
