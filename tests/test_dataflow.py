@@ -118,3 +118,18 @@ def test_supported_shapes():
     assert "MHA" in supported(gqa)
     with pytest.raises(ValueError, match="MHA"):
         DataflowLoop(OuroForCausalLM(gqa).to(torch.bfloat16))
+
+
+def test_bad_inputs_are_clear_errors():
+    model = make_model()
+    loop = DataflowLoop(model, streamers=1)
+    bt = BlockTable(64, PAGE, 4, 3, 6)
+    assert bt.allocate(0, 20)
+    batch = decode_batch([(0, 0, 3)], bt)
+    cache = torch.zeros(2, CFG.num_hidden_layers, 64 * PAGE, CFG.num_key_value_heads, CFG.head_dim,
+                        dtype=torch.bfloat16, device=DEV)  # fmt: skip
+    cos_sin = TritonPagedAttention(cache, PAGE, CFG.rope_theta, 64).cos_sin
+    with pytest.raises(ValueError, match="at most 8 tokens"):
+        loop(torch.zeros(9, CFG.hidden_size, dtype=torch.bfloat16, device=DEV), cache, cos_sin, batch, PAGE)
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        loop(torch.zeros(1, CFG.hidden_size, device=DEV), cache, cos_sin, batch, PAGE)
