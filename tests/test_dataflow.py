@@ -57,12 +57,14 @@ def decode_batch(rows, bt):
     )
 
 
-# One token runs the ONE_ROW path (its activation row in registers) unless one_row is off.
+# One token runs the ONE_ROW path (products on CUDA cores) unless one_row is off. With splits > 1 each
+# head's context is cut into slices of 4 positions (block_n 4), merged by the last slice to arrive.
 @pytest.mark.parametrize(
-    "streamers, tiles, tokens, one_row", [(1, 2, 4, True), (3, 2, 4, True), (3, 4, 4, True), (3, 2, 1, True),
-                                          (2, 4, 1, True), (3, 2, 1, False)]
+    "streamers, tiles, tokens, one_row, splits",
+    [(1, 2, 4, True, 1), (3, 2, 4, True, 3), (3, 4, 4, True, 1), (3, 2, 1, True, 1), (2, 4, 1, True, 4),
+     (3, 2, 1, False, 2)],
 )  # fmt: skip
-def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row):
+def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row, splits):
     model = make_model()
     bt = BlockTable(64, PAGE, 4, 3, 6)
     for slot in range(3):
@@ -77,7 +79,8 @@ def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row)
     h = torch.randn(len(rows), CFG.hidden_size, generator=torch.Generator().manual_seed(2)).to(
         DEV, torch.bfloat16
     )
-    loop = DataflowLoop(model, streamers=streamers, tiles=tiles, one_row=one_row)
+    loop = DataflowLoop(model, streamers=streamers, tiles=tiles, one_row=one_row, splits=splits,
+                        block_n=4 if splits > 1 else 64)  # fmt: skip
     got_cache = cache.clone()
     with torch.no_grad():
         expect = run_loop_fused(model, h.clone(), attn)

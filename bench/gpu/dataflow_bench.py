@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument(
         "--configs", nargs="+", default=["128:2:4"], help="streamers:tiles per iteration:stages[:free][:row]"
     )
+    ap.add_argument("--block-n", type=int, default=64, help="attention workers' context block")
+    ap.add_argument("--splits", type=int, default=1, help="attention slices per (row, KV head)")
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--replays", type=int, default=100)
     args = ap.parse_args()
@@ -41,7 +43,8 @@ def main() -> None:
         # Flags after the numbers: "free", the walk alone (no waits, no workers); "row", one_row at 1 token.
         g, t, s, *flags = spec.split(":")
         loops[spec] = DataflowLoop(model, streamers=int(g), tiles=int(t), stages=int(s), free="free" in flags,
-                                   one_row="row" in flags)  # fmt: skip
+                                   one_row="row" in flags, block_n=args.block_n,
+                                   splits=args.splits)  # fmt: skip
     for rows in args.rows:
         shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
         cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)

@@ -41,12 +41,14 @@ per matrix and kept in registers) is the first step against that; it is CPU-test
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ._util import interpreting
-from .decode_attention import attend_slice, slice_bounds, store_normalised
+from .decode_attention import attend_slice, merge_partials, slice_bounds, store_normalised, store_partial
 from .fused_decode import _cos_sin, _rotated, _write_kv
 from .norm import _rms
 from .rounding import round_to
@@ -60,6 +62,15 @@ MAX_ROWS = 8  # 2 programs per SM: 128 streamers + 17 workers per row fit 264 sl
 BR = tl.constexpr(ROWS_PER_GROUP)
 RP = tl.constexpr(PAD_TOKENS)
 _SLOTS = tl.constexpr(SLOTS)
+_MAX_ROWS = tl.constexpr(MAX_ROWS)
+# Timing switches for bench/gpu/dataflow_bench.py, read once at import (each gives WRONG results): leave out
+# the activation loads (DF_NOX), the group stores (DF_NOSTORE), the attention (DF_NOATT) or the norms
+# (DF_NONORM); DF_WARPS sets the warps of every program.
+_NOX = tl.constexpr(os.environ.get("DF_NOX", "0") == "1")
+_NOSTORE = tl.constexpr(os.environ.get("DF_NOSTORE", "0") == "1")
+_NOATT = tl.constexpr(os.environ.get("DF_NOATT", "0") == "1")
+_NONORM = tl.constexpr(os.environ.get("DF_NONORM", "0") == "1")
+_WARPS = int(os.environ.get("DF_WARPS", "4"))
 
 
 @triton.jit
@@ -102,13 +113,14 @@ def _wait(ptr, target, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _signal(ptr, INTERPRETED: tl.constexpr):
-    # Count one arrival, released after every thread's earlier stores. The CTA barrier is inline asm:
+    # Count one arrival after every thread's earlier stores; returns the count before it (acquire too: the
+    # last of several arrivals reads what the others stored). The CTA barrier is inline asm:
     # tl.debug_barrier inside the streamers' loop would stop tl.range from pipelining it.
     if not INTERPRETED:
         tl.inline_asm_elementwise(
             "bar.sync 0;\n mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
         )
-    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+    return tl.atomic_add(ptr, 1, sem="acq_rel", scope="gpu")
 
 
 @triton.jit
@@ -144,8 +156,8 @@ def _x_region(seg):
 
 
 @triton.jit
-def _x_tile(act_ptr, layer, seg, kcol, N, ok, H: tl.constexpr,
-            FF: tl.constexpr, L: tl.constexpr, BC: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _x_tile(act_ptr, layer, seg, kcol, N, ok, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
+            BC: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # The activation chunk a tile multiplies, transposed: [BC, RP] bf16 (zeros past N rows or K).
     # seg 3 (down) reads silu(gate) * up from the interleaved gate_up output, rounded as silu_and_mul.
     offs_k = kcol + tl.arange(0, BC)
@@ -167,31 +179,19 @@ def _x_tile(act_ptr, layer, seg, kcol, N, ok, H: tl.constexpr,
 
 
 @triton.jit
-def _x_row(act_ptr, layer, seg, ok, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, KX: tl.constexpr,
-           INTERPRETED: tl.constexpr):  # fmt: skip
-    # One token's whole activation row for a matrix, [KX] bf16 (zeros past K): _x_tile's values, all at once.
-    offs_k = tl.arange(0, KX)
-    region = _x_region(seg)
-    mask = offs_k < tl.where(seg == 3, FF, H)
-    base = act_ptr + _region_off(region, H, FF, L) + ok + layer * RP * tl.where(seg == 3, 2 * FF, H)
+def _x_chunk(act_ptr, layer, seg, offs_k, ok, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
+             INTERPRETED: tl.constexpr):  # fmt: skip
+    # ONE_ROW: token 0's activations at columns offs_k (any shape), as _x_tile reads them (bf16, 0 past K).
+    k_ok = offs_k < tl.where(seg == 3, FF, H)
+    base = act_ptr + _region_off(_x_region(seg), H, FF, L) + ok + layer * RP * tl.where(seg == 3, 2 * FF, H)
     if seg == 3:
         col = 16 * (offs_k // 8) + offs_k % 8
-        gate = tl.load(base + col, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        up = tl.load(base + col + 8, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        gate = tl.load(base + col, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        up = tl.load(base + col + 8, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         x = silu_mul(gate, up, tl.bfloat16, INTERPRETED)
     else:
-        x = tl.load(base + offs_k, mask=mask, other=0.0, cache_modifier=".cg")
+        x = tl.load(base + offs_k, mask=k_ok, other=0.0, cache_modifier=".cg")
     return x
-
-
-@triton.jit
-def _row_dot(w, x_row, j, KX: tl.constexpr, BC: tl.constexpr):
-    # w [BR, BC] times chunk j of x_row [KX] (picked by a masked sum: registers cannot be indexed),
-    # on CUDA cores; returns [BR, RP] fp32 with the sums in token column 0.
-    chunks = tl.reshape(x_row, [KX // BC, BC]).to(tl.float32)
-    x = tl.sum(tl.where((tl.arange(0, KX // BC) == j)[:, None], chunks, 0.0), axis=0)
-    part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    return tl.where((tl.arange(0, RP) == 0)[None, :], part[:, None], 0.0)
 
 
 @triton.jit
@@ -254,7 +254,7 @@ def _target(seg, N, rows, NKV: tl.constexpr, NGU: tl.constexpr):
 def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr, NKV: tl.constexpr,
             BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr,
-            ONE_ROW: tl.constexpr, KX: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG,
+            ONE_ROW: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG,
             INTERPRETED: tl.constexpr):  # fmt: skip
     # Streamer c's walk; SERIAL: only its tiles of (LAYER, SEG), every activation loaded when used.
     NCB: tl.constexpr = H // (TPI * BC)
@@ -277,7 +277,7 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
         lo = LAYER * P + tl.where(SEG == 0, 0, tl.where(SEG == 1, e1, tl.where(SEG == 2, e2, e3)))
         hi = LAYER * P + tl.where(SEG == 0, e1, tl.where(SEG == 1, e2, tl.where(SEG == 2, e3, P)))
     acc = tl.zeros([BR, RP], tl.float32)
-    x_row = tl.zeros([KX], tl.bfloat16)  # ONE_ROW: the token's activation row of the current matrix
+    acc_r = tl.zeros([BR, BC], tl.float32)  # ONE_ROW: products summed elementwise across a group's tiles
     for i in tl.range(lo, hi, num_stages=STAGES):
         layer, seg, s, g, b, w_row, w_col, kcol, bpg = _coords(
             i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, B_O, B_GU, B_DN, NCB, DB, TPI * BC
@@ -287,38 +287,46 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
         # is loaded ahead: a streamer's own outputs may be what the next matrix waits for.
         tgt = tl.where((s == 0) & (not FREE), _target(seg, N, rows, NKV, NGU), 0)
         ok = _wait(cnt_ptr + layer * _SLOTS + _in_slot(seg), tgt, INTERPRETED)
-        acc = tl.where(b == 0, 0.0, acc)
         if ONE_ROW:
-            # One token: its row is loaded once per matrix and each tile's chunk is picked in registers.
-            if s == 0:
-                x_row = _x_row(act_ptr, layer, seg, ok, H, FF, L, KX, INTERPRETED)
+            # One token: products on CUDA cores, summed across threads once a group, not once a tile.
+            acc_r = tl.where(b == 0, 0.0, acc_r)
             for t in tl.static_range(TPI):
-                w = desc.load([w_row, w_col + t * BC])
-                acc += _row_dot(w, x_row, kcol // BC + t, KX, BC)
+                w = desc.load([w_row, w_col + t * BC]).to(tl.float32)
+                if _NOX:
+                    acc_r += w
+                else:
+                    offs_k = kcol + t * BC + tl.arange(0, BC)
+                    x = _x_chunk(act_ptr, layer, seg, offs_k, ok, H, FF, L, INTERPRETED)
+                    acc_r += w * x.to(tl.float32)[None, :]
         else:
+            acc = tl.where(b == 0, 0.0, acc)
             for t in tl.static_range(TPI):
                 w = desc.load([w_row, w_col + t * BC])
                 x = _x_tile(act_ptr, layer, seg, kcol + t * BC, N, ok, H, FF, L, BC, INTERPRETED)
                 acc = _dot(w, x, acc, "ieee", INTERPRETED)
-        if b == bpg - 1:
+        if (b == bpg - 1) and (not _NOSTORE):
+            if ONE_ROW:  # the group's one cross-thread sum, into token column 0
+                acc = tl.where((tl.arange(0, RP) == 0)[None, :], tl.sum(acc_r, axis=1)[:, None], 0.0)
             _store_group(act_ptr, acc, layer, seg, g, N, H, FF, L, INTERPRETED)
             _signal(cnt_ptr + layer * _SLOTS + _in_slot(seg) + 1, INTERPRETED)
 
 
 @triton.jit
-def _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr,
-            tok_off_ptr, row, kv_head, layer, num_pos, scale_log2, stride_kl, stride_kcs, stride_kch,
-            stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, NQ: tl.constexpr,
-            HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-            INTERPRETED: tl.constexpr):  # fmt: skip
-    # fused_decode_attention's program (row, kv_head, the one slice) for one layer, on the scratch.
+def _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr,
+            len_ptr, tok_off_ptr, row, kv_head, split, layer, rows, num_pos, scale_log2, stride_kl,
+            stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
+            NQ: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+            BLOCK_N: tl.constexpr, S: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # fused_decode_attention's program (row, kv_head, split) for one layer, on the scratch: the last of
+    # a head's S slices to arrive merges them, writes the head's output and counts it.
     ok = _wait(cnt_ptr + layer * _SLOTS + 1, NQ, INTERPRETED)
     n_q = tl.load(len_ptr + row)
-    if n_q > 0:
+    done = True
+    if n_q > 0 and not _NOATT:
         q_pos = tl.load(q_start_ptr + row)
         tok = tl.load(tok_off_ptr + row).to(tl.int64)
         slot = tl.load(slot_ptr + tok)
-        start, end = slice_bounds(q_pos, 0, 1, BLOCK_N)
+        start, end = slice_bounds(q_pos, split, S, BLOCK_N)
         cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM)
         qkv = act_ptr + _region_off(1, H, FF, L) + ok + (layer * RP + tok) * (3 * H)
         one = tl.arange(0, 1)
@@ -334,13 +342,32 @@ def _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_p
         m_i, l_i, acc = attend_slice(q, kc, vc, bt_ptr + row * stride_bt, kv_head, start, end, scale_log2,
                                      stride_kcs, stride_kch, stride_kcs, stride_kch, new_pos, k_new, v_new,
                                      1, HEAD_DIM, HEAD_DIM, PAGE, BLOCK_N, True)  # fmt: skip
-        if slot >= 0:
+        # No slice reads the new slot from the cache (k_new, v_new come from registers): the last writes it.
+        if (split == S - 1) & (slot >= 0):
             _write_kv(kc, vc, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_kcs, stride_kch,
                       HEAD_DIM, HEAD_DIM)  # fmt: skip
         out = act_ptr + _region_off(2, H, FF, L) + (layer * RP) * H
-        store_normalised(out, tok, kv_head + one, one == 0, H, HEAD_DIM, acc, l_i, HEAD_DIM, HEAD_DIM,
-                         INTERPRETED)  # fmt: skip
-    _signal(cnt_ptr + layer * _SLOTS + 2, INTERPRETED)
+        if S == 1:
+            store_normalised(out, tok, kv_head + one, one == 0, H, HEAD_DIM, acc, l_i, HEAD_DIM, HEAD_DIM,
+                             INTERPRETED)  # fmt: skip
+        else:
+            # fp32 partials [rows, NKV, S] (acc, then m, then l), reused by every layer: layer + 1's slices
+            # start only after this layer's o_proj, which waits for these merges.
+            acc_ptr = part_ptr
+            m_ptr = part_ptr + _MAX_ROWS * NKV * S * HEAD_DIM
+            l_ptr = m_ptr + _MAX_ROWS * NKV * S
+            base = (row * NKV + kv_head) * S
+            store_partial(acc_ptr, m_ptr, l_ptr, base + split + one, one == 0, m_i, l_i, acc, start < end,
+                          HEAD_DIM, HEAD_DIM)  # fmt: skip
+            ticket = cnt_ptr + L * _SLOTS + (layer * _MAX_ROWS + row) * NKV + kv_head
+            done = _signal(ticket, INTERPRETED) == S - 1
+            if done:
+                merged = merge_partials(acc_ptr, m_ptr, l_ptr, base, HEAD_DIM, HEAD_DIM, S, ".cg")
+                offs = tl.arange(0, HEAD_DIM)
+                tl.store(out + tok * H + kv_head * HEAD_DIM + offs, round_to(merged, out.dtype.element_ty,
+                                                                             INTERPRETED))  # fmt: skip
+    if done:
+        _signal(cnt_ptr + layer * _SLOTS + 2, INTERPRETED)
 
 
 @triton.jit
@@ -350,6 +377,8 @@ def _norm_step(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, wait_slot, target
     # h += RMS(a, w_a); x = RMS(h, w_next) -> dst (add_rms_norm's arithmetic); returns the new h.
     offs = tl.arange(0, H)
     ok = _wait(cnt_ptr + layer * _SLOTS + wait_slot, target, INTERPRETED)
+    if _NONORM:
+        return h
     src = act_ptr + _region_off(src_region, H, FF, L) + ok + (layer * RP + tok) * H
     a = tl.load(src + offs, cache_modifier=".cg").to(tl.float32)
     w_a = tl.load(norm_ptr + (layer * 4 + w_a_idx) * H + offs).to(tl.float32)
@@ -402,37 +431,37 @@ def _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND:
 
 
 @triton.jit
-def _dataflow_kernel(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
-                     table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos,
+def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr,
+                     pos_ptr, table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos,
                      scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt,
                      H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, NKV: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
                      STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr, ONE_ROW: tl.constexpr,
-                     KX: tl.constexpr, SERIAL: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+                     S: tl.constexpr, SERIAL: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     NQ: tl.constexpr = 3 * H // BR
     NO: tl.constexpr = H // BR
     NGU: tl.constexpr = 2 * FF // BR
     ND: tl.constexpr = H // BR
     pid = tl.program_id(0)
     if SERIAL:
-        _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
+        _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
                 table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2,
                 stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NKV, NQ, NO, NGU, ND,
-                HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, ONE_ROW, KX, INTERPRETED)  # fmt: skip
+                HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, ONE_ROW, S, INTERPRETED)  # fmt: skip
     elif pid < G:
         _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI,
-                FREE, ONE_ROW, KX, False, 0, 0, INTERPRETED)  # fmt: skip
+                FREE, ONE_ROW, False, 0, 0, INTERPRETED)  # fmt: skip
     elif FREE:  # timing of the streamers' walk alone: no worker runs, no streamer waits
         pass
-    elif pid < G + rows * NKV:
+    elif pid < G + rows * NKV * S:
         w = pid - G
         for layer in range(L):
-            _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr,
-                    len_ptr, tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl,
-                    stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ, HEAD_DIM, PAGE, BLOCK_N,
-                    INTERPRETED)  # fmt: skip
+            _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr,
+                    q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer, rows,
+                    num_pos, scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ,
+                    NKV, HEAD_DIM, PAGE, BLOCK_N, S, INTERPRETED)  # fmt: skip
     else:
-        tok = pid - G - rows * NKV
+        tok = pid - G - rows * NKV * S
         h = _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H, INTERPRETED)
         for layer in range(L):
             h = _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, INTERPRETED)
@@ -444,20 +473,20 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, v
 def _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, seg, H: tl.constexpr, FF: tl.constexpr,
                 L: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
                 NKV: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr,
-                ONE_ROW: tl.constexpr, KX: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+                ONE_ROW: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every streamer's tiles of one matrix of one layer, streamer by streamer (the serial form).
     for c in range(G):
         _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, False,
-                ONE_ROW, KX, True, layer, seg, INTERPRETED)  # fmt: skip
+                ONE_ROW, True, layer, seg, INTERPRETED)  # fmt: skip
 
 
 @triton.jit
-def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr,
-            bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2, stride_kl,
-            stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
-            NKV: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
-            HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
-            STAGES: tl.constexpr, TPI: tl.constexpr, ONE_ROW: tl.constexpr, KX: tl.constexpr,
+def _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
+            table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2,
+            stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr,
+            L: tl.constexpr, NKV: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr,
+            ND: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+            BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, ONE_ROW: tl.constexpr, S: tl.constexpr,
             INTERPRETED: tl.constexpr):  # fmt: skip
     # Every role in dependency order, in one program (the interpreter runs programs one at a time).
     # The residual streams live in the out rows between steps (out is written last by the final norm).
@@ -466,22 +495,22 @@ def _serial(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, sl
         tl.store(out_ptr + tok * H + tl.arange(0, H), h)
     for layer in range(L):
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 0, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, ONE_ROW, KX, INTERPRETED)  # fmt: skip
-        for w in range(rows * NKV):
-            _attend(act_ptr, cnt_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr,
-                    len_ptr, tok_off_ptr, w // NKV, w % NKV, layer, num_pos, scale_log2, stride_kl,
-                    stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ, HEAD_DIM, PAGE, BLOCK_N,
-                    INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
+        for w in range(rows * NKV * S):
+            _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr,
+                    q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer, rows,
+                    num_pos, scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ,
+                    NKV, HEAD_DIM, PAGE, BLOCK_N, S, INTERPRETED)  # fmt: skip
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 1, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, ONE_ROW, KX, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, INTERPRETED)
             tl.store(out_ptr + tok * H + tl.arange(0, H), h)
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 2, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, ONE_ROW, KX, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 3, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, ONE_ROW, KX, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L,
@@ -542,6 +571,7 @@ class DataflowLoop:
         block_n: int = 64,
         free: bool = False,
         one_row: bool = False,
+        splits: int = 1,
     ):
         cfg = model.config
         why = supported(cfg)
@@ -549,13 +579,12 @@ class DataflowLoop:
             raise ValueError(f"dataflow loop: {why}")
         self.cfg, self.eps = cfg, cfg.rms_norm_eps
         self.h, self.inter, self.layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-        self.weights, self.norms = pack_weights(model)
         self.bc = min(256, self.h // tiles)
+        self.weights, self.norms = pack_weights(model)
         self.tpi = tiles
         self.free = free  # benchmarks only: no waits and no workers (wrong results; the walk's own speed)
-        # One token: its activation row in registers, no per-tile load (CPU-tested; not yet run on a GPU).
+        # One token: products on CUDA cores, summed across threads once per row group.
         self.one_row = one_row
-        self.kx = triton.next_power_of_2(max(self.h, self.inter))
         self.stages, self.block_n = stages, block_n
         dev = self.weights.device
         if streamers is None:
@@ -563,7 +592,12 @@ class DataflowLoop:
         self.streamers = streamers
         per_layer = PAD_TOKENS * (8 * self.h + 2 * self.inter)
         self.act = torch.zeros(self.layers * per_layer, dtype=self.weights.dtype, device=dev)
-        self.counters = torch.zeros(self.layers * SLOTS, dtype=torch.int32, device=dev)
+        # Per layer: SLOTS counters; then per layer, row and KV head a ticket of the attention slices.
+        kv = cfg.num_key_value_heads
+        self.counters = torch.zeros(self.layers * (SLOTS + MAX_ROWS * kv), dtype=torch.int32, device=dev)
+        self.splits = splits  # attention slices per (row, KV head); their fp32 partials (acc, m, l):
+        self.partials = torch.empty(MAX_ROWS * kv * splits * (cfg.head_dim + 2), dtype=torch.float32,
+                                    device=dev)  # fmt: skip
         self.desc = _descriptor(self.weights, self.bc)
         self.kernel = None  # the compiled kernel, once checked
 
@@ -577,10 +611,11 @@ class DataflowLoop:
         out = torch.empty_like(h) if out is None else out
         self.counters.zero_()
         serial = interpreting()
+        one_row = n == 1 and self.one_row
         kc, vc = kv_cache[0], kv_cache[1]
-        grid = (1,) if serial else (self.streamers + rows * self.cfg.num_key_value_heads + n,)
+        grid = (1,) if serial else (self.streamers + rows * self.cfg.num_key_value_heads * self.splits + n,)
         args = (
-            self.desc, self.act, self.counters, self.norms, h, out, kc, vc, batch.slot_mapping,
+            self.desc, self.act, self.counters, self.partials, self.norms, h, out, kc, vc, batch.slot_mapping,
             batch.positions, cos_sin, batch.block_tables, batch.row_q_start, batch.row_len, batch.row_tok_off,
             self.streamers, n, rows, self.eps, cos_sin.shape[0], self.cfg.head_dim**-0.5 * 1.4426950408889634,
             kc.stride(0), kc.stride(1), kc.stride(2), cos_sin.stride(0), batch.block_tables.stride(0),
@@ -588,8 +623,8 @@ class DataflowLoop:
         meta = dict(
             H=self.h, FF=self.inter, L=self.layers, NKV=self.cfg.num_key_value_heads,
             HEAD_DIM=self.cfg.head_dim, PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages,
-            TPI=self.tpi, FREE=self.free, ONE_ROW=n == 1 and self.one_row, KX=self.kx, SERIAL=serial,
-            INTERPRETED=serial, num_warps=4, num_stages=1,
+            TPI=self.tpi, FREE=self.free, ONE_ROW=one_row, S=self.splits, SERIAL=serial,
+            INTERPRETED=serial, num_warps=_WARPS, num_stages=1,
         )  # fmt: skip
         if not serial:
             self._check_resident(grid[0], _dataflow_kernel.warmup(*args, grid=grid, **meta))
@@ -602,11 +637,13 @@ class DataflowLoop:
         # The programs poll each other: all must fit on the GPU at once, or the launch never ends.
         if self.kernel is kernel:
             return
+        if self.free:  # the workers exit at once: only the streamers need to be resident
+            programs = self.streamers
         kernel._init_handles()
         props = torch.cuda.get_device_properties(self.weights.device)
-        per_sm = min(
-            65536 // max(1, kernel.n_regs * 128), (233472 - 1024) // (kernel.metadata.shared + 1024), 32
-        )
+        threads = 32 * kernel.metadata.num_warps
+        by_regs = 65536 // max(1, kernel.n_regs * threads)
+        per_sm = min(by_regs, (233472 - 1024) // (kernel.metadata.shared + 1024), 32)
         if programs > per_sm * props.multi_processor_count:
             raise RuntimeError(
                 f"dataflow loop: {programs} programs cannot all be resident ({per_sm} per SM: "
