@@ -113,14 +113,19 @@ def _wait(ptr, target, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _signal(ptr, INTERPRETED: tl.constexpr):
-    # Count one arrival after every thread's earlier stores; returns the count before it (acquire too: the
+    return _signal_n(ptr, 1, INTERPRETED)
+
+
+@triton.jit
+def _signal_n(ptr, n, INTERPRETED: tl.constexpr):
+    # Count n arrivals after every thread's earlier stores; returns the count before them (acquire too: the
     # last of several arrivals reads what the others stored). The CTA barrier is inline asm:
     # tl.debug_barrier inside the streamers' loop would stop tl.range from pipelining it.
     if not INTERPRETED:
         tl.inline_asm_elementwise(
             "bar.sync 0;\n mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
         )
-    return tl.atomic_add(ptr, 1, sem="acq_rel", scope="gpu")
+    return tl.atomic_add(ptr, n, sem="acq_rel", scope="gpu")
 
 
 @triton.jit
@@ -308,7 +313,11 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
             if ONE_ROW:  # the group's one cross-thread sum, into token column 0
                 acc = tl.where((tl.arange(0, RP) == 0)[None, :], tl.sum(acc_r, axis=1)[:, None], 0.0)
             _store_group(act_ptr, acc, layer, seg, g, N, H, FF, L, INTERPRETED)
-            _signal(cnt_ptr + layer * _SLOTS + _in_slot(seg) + 1, INTERPRETED)
+            # Every reader waits for all of a matrix's groups: count a share's groups once, after its last
+            # (a release per group stalled the walk).
+            n_seg = tl.where(seg == 0, nq, tl.where(seg == 1, no, tl.where(seg == 2, nu, nd)))
+            if s == n_seg * bpg - 1:
+                _signal_n(cnt_ptr + layer * _SLOTS + _in_slot(seg) + 1, n_seg, INTERPRETED)
 
 
 @triton.jit
