@@ -33,6 +33,7 @@ def main() -> None:
     )
     ap.add_argument("--block-n", type=int, default=64, help="attention workers' context block")
     ap.add_argument("--splits", type=int, default=1, help="attention slices per (row, KV head)")
+    ap.add_argument("--prefetch-kv", type=int, default=1, help="1: attention prefetches its keys and values")
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--replays", type=int, default=100)
     args = ap.parse_args()
@@ -44,7 +45,7 @@ def main() -> None:
         g, t, s, *flags = spec.split(":")
         loops[spec] = DataflowLoop(model, streamers=int(g), tiles=int(t), stages=int(s), free="free" in flags,
                                    one_row="row" in flags, block_n=args.block_n,
-                                   splits=args.splits)  # fmt: skip
+                                   splits=args.splits, prefetch_kv=bool(args.prefetch_kv))  # fmt: skip
     for rows in args.rows:
         shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
         cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)

@@ -325,18 +325,25 @@ def _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table
             len_ptr, tok_off_ptr, row, kv_head, split, layer, rows, num_pos, scale_log2, stride_kl,
             stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NQ: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_N: tl.constexpr, S: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+            BLOCK_N: tl.constexpr, S: tl.constexpr, PKV: tl.constexpr,
+            INTERPRETED: tl.constexpr):  # fmt: skip
     # fused_decode_attention's program (row, kv_head, split) for one layer, on the scratch: the last of
     # a head's S slices to arrive merges them, writes the head's output and counts it.
-    ok = _wait(cnt_ptr + layer * _SLOTS + 1, NQ, INTERPRETED)
+    # What does not depend on this layer's qkv is read before its wait (a padding row reads token 0's).
     n_q = tl.load(len_ptr + row)
+    q_pos = tl.load(q_start_ptr + row)
+    tok = tl.where(n_q > 0, tl.load(tok_off_ptr + row).to(tl.int64), 0)
+    slot = tl.load(slot_ptr + tok)
+    start, end = slice_bounds(q_pos, split, S, BLOCK_N)
+    cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM)
+    kc = kc_ptr + layer * stride_kl
+    vc = vc_ptr + layer * stride_kl
+    if PKV and not INTERPRETED:
+        _prefetch_kv(kc, vc, bt_ptr + row * stride_bt, kv_head, start, tl.where(n_q > 0, end, start),
+                     stride_kcs, stride_kch, HEAD_DIM, PAGE, 2 * BLOCK_N)  # fmt: skip
+    ok = _wait(cnt_ptr + layer * _SLOTS + 1, NQ, INTERPRETED)
     done = True
     if n_q > 0 and not _NOATT:
-        q_pos = tl.load(q_start_ptr + row)
-        tok = tl.load(tok_off_ptr + row).to(tl.int64)
-        slot = tl.load(slot_ptr + tok)
-        start, end = slice_bounds(q_pos, split, S, BLOCK_N)
-        cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM)
         qkv = act_ptr + _region_off(1, H, FF, L) + ok + (layer * RP + tok) * (3 * H)
         one = tl.arange(0, 1)
         q = _rotated(qkv, kv_head + one, one == 0, HEAD_DIM, cos, sin, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM,
@@ -345,8 +352,6 @@ def _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table
                          HEAD_DIM, kc_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
         offs_d = tl.arange(0, HEAD_DIM)[None, :]
         v_new = tl.load(qkv + 2 * H + kv_head * HEAD_DIM + offs_d, cache_modifier=".cg")
-        kc = kc_ptr + layer * stride_kl
-        vc = vc_ptr + layer * stride_kl
         new_pos = tl.where(slot >= 0, q_pos, -1)
         m_i, l_i, acc = attend_slice(q, kc, vc, bt_ptr + row * stride_bt, kv_head, start, end, scale_log2,
                                      stride_kcs, stride_kch, stride_kcs, stride_kch, new_pos, k_new, v_new,
@@ -377,6 +382,41 @@ def _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table
                                                                              INTERPRETED))  # fmt: skip
     if done:
         _signal(cnt_ptr + layer * _SLOTS + 2, INTERPRETED)
+
+
+@triton.jit
+def _prefetch_kv(kc, vc, bt_row_ptr, kv_head, start, end, stride_s, stride_h, HEAD_DIM: tl.constexpr,
+                 PAGE: tl.constexpr, NPF: tl.constexpr):  # fmt: skip
+    # The first NPF keys and values of the slice [start, end) into this SM's L1, 128-byte lines, while the
+    # program waits for qkv: the attention's first tiles then hit L1 instead of HBM.
+    offs_n = start + tl.arange(0, NPF)
+    valid = offs_n < end
+    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=valid, other=0)
+    row = block.to(tl.int64) * PAGE + offs_n % PAGE
+    LINE: tl.constexpr = 1024 // kc.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
+    LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
+    off = (row * stride_s + kv_head * stride_h)[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
+    on = tl.broadcast_to(valid[:, None], off.shape).to(tl.int32)
+    _prefetch_l1(kc + off, on)
+    _prefetch_l1(vc + off, on)
+
+
+@triton.jit
+def _prefetch_l1(ptrs, on):
+    # A prefetch into L1 of each line at ptrs where on != 0 (nothing waits for it).
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred p;
+        setp.ne.s32 p, $2, 0;
+        @p prefetch.global.L1 [$1];
+        mov.u32 $0, 0;
+        }""",
+        constraints="=r,l,r",
+        args=[ptrs, on],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -446,7 +486,8 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
                      H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, NKV: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
                      STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr, ONE_ROW: tl.constexpr,
-                     S: tl.constexpr, SERIAL: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+                     S: tl.constexpr, PKV: tl.constexpr, SERIAL: tl.constexpr,
+                     INTERPRETED: tl.constexpr):  # fmt: skip
     NQ: tl.constexpr = 3 * H // BR
     NO: tl.constexpr = H // BR
     NGU: tl.constexpr = 2 * FF // BR
@@ -456,7 +497,7 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
         _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
                 table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2,
                 stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NKV, NQ, NO, NGU, ND,
-                HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, ONE_ROW, S, INTERPRETED)  # fmt: skip
+                HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, ONE_ROW, S, PKV, INTERPRETED)  # fmt: skip
     elif pid < G:
         _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI,
                 FREE, ONE_ROW, False, 0, 0, INTERPRETED)  # fmt: skip
@@ -468,7 +509,7 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
             _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr,
                     q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer, rows,
                     num_pos, scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ,
-                    NKV, HEAD_DIM, PAGE, BLOCK_N, S, INTERPRETED)  # fmt: skip
+                    NKV, HEAD_DIM, PAGE, BLOCK_N, S, PKV, INTERPRETED)  # fmt: skip
     else:
         tok = pid - G - rows * NKV * S
         h = _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H, INTERPRETED)
@@ -496,7 +537,7 @@ def _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, 
             L: tl.constexpr, NKV: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr,
             ND: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
             BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, ONE_ROW: tl.constexpr, S: tl.constexpr,
-            INTERPRETED: tl.constexpr):  # fmt: skip
+            PKV: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every role in dependency order, in one program (the interpreter runs programs one at a time).
     # The residual streams live in the out rows between steps (out is written last by the final norm).
     for tok in range(N):
@@ -509,7 +550,7 @@ def _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, 
             _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr,
                     q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer, rows,
                     num_pos, scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ,
-                    NKV, HEAD_DIM, PAGE, BLOCK_N, S, INTERPRETED)  # fmt: skip
+                    NKV, HEAD_DIM, PAGE, BLOCK_N, S, PKV, INTERPRETED)  # fmt: skip
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 1, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
                     TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for tok in range(N):
@@ -581,6 +622,7 @@ class DataflowLoop:
         free: bool = False,
         one_row: bool = False,
         splits: int = 1,
+        prefetch_kv: bool = True,
     ):
         cfg = model.config
         why = supported(cfg)
@@ -604,6 +646,7 @@ class DataflowLoop:
         # Per layer: SLOTS counters; then per layer, row and KV head a ticket of the attention slices.
         kv = cfg.num_key_value_heads
         self.counters = torch.zeros(self.layers * (SLOTS + MAX_ROWS * kv), dtype=torch.int32, device=dev)
+        self.prefetch_kv = prefetch_kv  # attention: the slice's first keys and values into L1 before the wait
         self.splits = splits  # attention slices per (row, KV head); their fp32 partials (acc, m, l):
         self.partials = torch.empty(MAX_ROWS * kv * splits * (cfg.head_dim + 2), dtype=torch.float32,
                                     device=dev)  # fmt: skip
@@ -632,7 +675,7 @@ class DataflowLoop:
         meta = dict(
             H=self.h, FF=self.inter, L=self.layers, NKV=self.cfg.num_key_value_heads,
             HEAD_DIM=self.cfg.head_dim, PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages,
-            TPI=self.tpi, FREE=self.free, ONE_ROW=one_row, S=self.splits, SERIAL=serial,
+            TPI=self.tpi, FREE=self.free, ONE_ROW=one_row, S=self.splits, PKV=self.prefetch_kv, SERIAL=serial,
             INTERPRETED=serial, num_warps=_WARPS, num_stages=1,
         )  # fmt: skip
         if not serial:
