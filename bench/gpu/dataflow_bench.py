@@ -31,8 +31,8 @@ def main() -> None:
     ap.add_argument(
         "--configs", nargs="+", default=["128:2:4"], help="streamers:tiles per iteration:stages[:free][:row]"
     )
-    ap.add_argument("--block-n", type=int, default=64, help="attention workers' context block")
-    ap.add_argument("--splits", type=int, default=1, help="attention slices per (row, KV head)")
+    ap.add_argument("--block-n", type=int, default=16, help="attention workers' context block")
+    ap.add_argument("--splits", type=int, default=8, help="attention slices per (row, KV head)")
     ap.add_argument("--prefetch-kv", type=int, default=1, help="1: attention prefetches its keys and values")
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--replays", type=int, default=100)

@@ -11,17 +11,22 @@ the programs stay resident for the whole loop and take one of three roles:
   boundaries alike: a tile's address depends only on the loop index. Only the
   activation chunk a tile multiplies waits: before the first tile of a matrix the
   streamer polls that matrix's input counter. A group's last tile stores its
-  outputs and counts the group on the matrix's done counter.
-- attention workers [G, G + rows * Hkv): one (row, KV head) each; per layer they wait
-  for every qkv group, then RoPE, K/V write and attention over the row's plane, as
-  fused_decode_attention does (one context slice).
-- norm workers [G + rows * Hkv, + N): one token each, holding its residual stream h in
+  outputs; after its share's last group the streamer counts the share on the
+  matrix's done counter (every reader waits for all groups). For one token (ONE_ROW)
+  the products run on CUDA cores and are summed across threads once a group.
+- attention workers [G, G + rows * Hkv * S): one (row, KV head, slice) each, as
+  fused_decode_attention's programs: per layer they read the row's positions and
+  prefetch their slice's first keys and values into L1, wait for every qkv group,
+  then RoPE, attention over the slice and the K/V write; the last of a head's S
+  slices to arrive merges them.
+- norm workers [G + rows * Hkv * S, + N): one token each, holding its residual stream h in
   registers: the sandwich add + RMSNorms (norm.py's arithmetic) between the matrices.
 
 Counters per layer (int32, zeroed before each launch): 0 xq ready (N), 1 qkv groups,
 2 attention done (rows * Hkv), 3 o_proj groups, 4 xm ready (N), 5 gate_up groups,
-6 down groups. Every program must be resident at once (they poll each other), so
-the launch checks the compiled kernel's occupancy. Under the interpreter (programs
+6 down groups; then a ticket per layer, row and KV head for the slices. Every program
+must be resident at once (they poll each other), so the launch checks the compiled
+kernel's occupancy. Under the interpreter (programs
 run one after another) one program runs every role in dependency order (SERIAL),
 with the same tile walk and arithmetic.
 
@@ -29,14 +34,11 @@ Weights are repacked once into one [layers * rows_per_layer, hidden] bf16 tensor
 qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a group's 16
 rows give 8 SiLU outputs), and down cut into column chunks of `hidden`, zero padded.
 
-Status: an experiment, not on the engine's path. In the tests it matches run_loop_fused bit for bit
-under the interpreter and within bf16 rounding on the H200, but one loop of the
-ouro-1.4b preset takes 2.6-3.0 ms at 1 row against 1.25 ms launched per kernel; with
-no waits and no workers (FREE, timing only) the tile walk alone takes 2.1-2.25 ms. So
-the per-tile path (an activation load from L2, its trip through shared memory into the
-dot, 16-row tiles) is what is slow, not the dependencies (docs/benchmarks.md, "Tenth
-session"; bench/gpu/dataflow_bench.py). ONE_ROW (one token: its activation row loaded once
-per matrix and kept in registers) is the first step against that; it is CPU-tested only.
+Status: an experiment, not on the engine's path yet. In the tests it matches run_loop_fused bit for
+bit under the interpreter and within bf16 rounding on the H200. One loop of the ouro-1.4b preset at
+1 token takes 1.17 ms against run_loop_fused's 1.24 (the defaults; docs/benchmarks.md, "Eleventh
+session"; bench/gpu/dataflow_bench.py): the tile walk alone (FREE, timing only) 0.77 ms, the
+attention ~0.13 ms, the waits the rest. At 8 tokens the dot path is still ~3.5x slower.
 """
 
 from __future__ import annotations
@@ -609,19 +611,22 @@ class DataflowLoop:
     """One decode loop of a fused model in one launch: `loop(h, kv_cache, batch) -> x`, like run_loop_fused.
 
     Holds the repacked weights (~the model's layer weights again), the activation scratch and the
-    counters. Calls are CUDA-graph capturable (grid and scratch depend only on shapes).
+    counters. Calls are CUDA-graph capturable (grid and scratch depend only on shapes). The defaults are
+    the fastest measured for one token on the H200 (1.17 ms a loop against run_loop_fused's 1.24): two
+    streamers per SM, 4 tiles an iteration, 2 stages, one_row, attention in 8 slices of 16-key tiles.
+    More tokens need fewer programs (e.g. streamers=128, splits=1): a launch that cannot be resident raises.
     """
 
     def __init__(
         self,
         model,
         streamers: int | None = None,
-        stages: int = 4,
-        tiles: int = 2,
-        block_n: int = 64,
+        stages: int = 2,
+        tiles: int = 4,
+        block_n: int = 16,
         free: bool = False,
-        one_row: bool = False,
-        splits: int = 1,
+        one_row: bool = True,
+        splits: int = 8,
         prefetch_kv: bool = True,
     ):
         cfg = model.config
@@ -711,6 +716,7 @@ def _descriptor(w: torch.Tensor, bc: int):
 
 
 def _streamers(device: torch.device) -> int:
-    # Row-group counts (qkv 3H/16, o_proj and down H/16) divide evenly over a power of two <= the SMs.
+    # Two a SM (one left the SM's issue slots idle), a power of two: row-group counts (qkv 3H/16, o_proj and
+    # down H/16) divide evenly over it.
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return 1 << (sms.bit_length() - 1)
+    return 2 << (sms.bit_length() - 1)
