@@ -85,8 +85,8 @@ def _wait(ptr, target, INTERPRETED: tl.constexpr):
         short = (target > 0) & (tl.load(ptr) < target)
         tl.atomic_add(ptr, tl.where(short, -(1 << 24), 0))
         return 0
-    return tl.inline_asm_elementwise(
-        asm="""{
+    return _asm_ptr_int(
+        """{
         .reg .pred pw, pz;
         .reg .u32 rs, rt;
         mov.u32 $0, 0;
@@ -105,11 +105,16 @@ def _wait(ptr, target, INTERPRETED: tl.constexpr):
         barrier.sync 0;
         DF_DONE:
         }""",
-        constraints="=r,l,r",
-        args=[ptr, target],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
+        ptr,
+        target,
+    )
+
+
+@triton.jit
+def _asm_ptr_int(asm: tl.constexpr, ptrs, value):
+    # Side-effecting PTX per element with $1 = a pointer, $2 = an int32; $0, an int32, is its result.
+    return tl.inline_asm_elementwise(
+        asm=asm, constraints="=r,l,r", args=[ptrs, value], dtype=tl.int32, is_pure=False, pack=1
     )
 
 
@@ -406,18 +411,15 @@ def _prefetch_kv(kc, vc, bt_row_ptr, kv_head, start, end, stride_s, stride_h, HE
 @triton.jit
 def _prefetch_l1(ptrs, on):
     # A prefetch into L1 of each line at ptrs where on != 0 (nothing waits for it).
-    tl.inline_asm_elementwise(
-        asm="""{
+    _asm_ptr_int(
+        """{
         .reg .pred p;
         setp.ne.s32 p, $2, 0;
         @p prefetch.global.L1 [$1];
         mov.u32 $0, 0;
         }""",
-        constraints="=r,l,r",
-        args=[ptrs, on],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
+        ptrs,
+        on,
     )
 
 
