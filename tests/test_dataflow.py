@@ -4,6 +4,7 @@ On a CPU-only machine the kernel runs under TRITON_INTERPRET=1 in its SERIAL for
 runs every role in dependency order, with the streamers' tile walk and the same arithmetic.
 """
 
+import logging
 import os
 
 import numpy as np
@@ -136,3 +137,87 @@ def test_bad_inputs_are_clear_errors():
         loop(torch.zeros(9, CFG.hidden_size, dtype=torch.bfloat16, device=DEV), cache, cos_sin, batch, PAGE)
     with pytest.raises(ValueError, match="contiguous bf16"):
         loop(torch.zeros(1, CFG.hidden_size, device=DEV), cache, cos_sin, batch, PAGE)
+
+
+def test_run_loop_fused_hands_one_token_steps_to_an_attached_loop():
+    model = make_model()
+    bt = BlockTable(64, PAGE, 4, 3, 6)
+    for slot in range(3):
+        assert bt.allocate(slot, 20)
+    cache = torch.randn((2, CFG.num_hidden_layers, 64 * PAGE, CFG.num_key_value_heads, CFG.head_dim),
+                        generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)  # fmt: skip
+    h = torch.randn(2, CFG.hidden_size, generator=torch.Generator().manual_seed(4)).to(DEV, torch.bfloat16)
+    calls = []
+
+    class Spy(DataflowLoop):
+        def __call__(self, *args, **kwargs):
+            calls.append(args[0].shape[0])
+            return super().__call__(*args, **kwargs)
+
+    expect = {}
+    with torch.no_grad():
+        for rows in ([(1, 2, 19)], [(1, 2, 19), (0, 0, 7)]):
+            attn = TritonPagedAttention(cache.clone(), PAGE, CFG.rope_theta, 64)
+            attn.batch = decode_batch(rows, bt)
+            expect[len(rows)] = run_loop_fused(model, h[: len(rows)].clone(), attn)
+        model.dataflow = Spy(model, streamers=2, tiles=2, block_n=4, splits=2)
+        for rows in ([(1, 2, 19)], [(1, 2, 19), (0, 0, 7)]):
+            attn = TritonPagedAttention(cache.clone(), PAGE, CFG.rope_theta, 64)
+            attn.batch = decode_batch(rows, bt)
+            got = run_loop_fused(model, h[: len(rows)].clone(), attn)
+            if DEV == "cpu":
+                assert torch.equal(got, expect[len(rows)])
+            else:
+                torch.testing.assert_close(got, expect[len(rows)], atol=0.05, rtol=0.02)
+    assert calls == [1]  # the one-token step ran the dataflow loop; the two-token step did not
+
+
+@pytest.fixture(scope="module")
+def mha_dir(tmp_path_factory):
+    """A checkpoint of CFG (the shapes the dataflow loop supports) in float32."""
+    from ouro_fast.model.checkpoints import make_checkpoint  # noqa: PLC0415
+
+    return str(make_checkpoint(CFG, tmp_path_factory.mktemp("mha"), seed=1, dtype="float32", progress=False))
+
+
+def engine(model_dir, **kw):
+    from ouro_fast.engine.engine import Engine, EngineConfig  # noqa: PLC0415
+
+    opts = dict(model=model_dir, runner="triton", num_kv_blocks=256, max_num_batched_tokens=16)
+    return Engine(EngineConfig(**{**opts, **kw}))
+
+
+def generate(eng, prompt, n):
+    from ouro_fast.engine.sampling import SamplingParams  # noqa: PLC0415
+
+    eng.add_request("r", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    out = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o if o.finished else out
+    return out
+
+
+def test_engine_dataflow_off_with_a_warning_where_unsupported(mha_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="ouro_fast"):
+        eng = engine(mha_dir, dtype="float32", dataflow=True)
+    assert "dataflow decode loop off: needs CUDA and bfloat16" in caplog.text
+    assert getattr(eng.model, "dataflow", None) is None
+    assert len(generate(eng, [5, 6, 7], 3).request.output_ids) == 3
+    assert eng.bt.num_free_blocks == eng.bt.num_blocks
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the dataflow loop runs in the engine only on CUDA (bf16)")
+def test_engine_dataflow_serves_one_token_steps(mha_dir, monkeypatch):
+    calls, call = [], DataflowLoop.__call__
+
+    def counted(loop, *args, **kwargs):
+        calls.append(1)
+        return call(loop, *args, **kwargs)
+
+    monkeypatch.setattr(DataflowLoop, "__call__", counted)
+    eng = engine(mha_dir, dtype="bfloat16", dataflow=True)
+    assert isinstance(eng.model.dataflow, DataflowLoop)
+    out = generate(eng, [5, 6, 7], 8)
+    assert len(out.request.output_ids) == 8 and calls  # called at least when the one-row graphs were captured
+    assert eng.bt.num_free_blocks == eng.bt.num_blocks  # every block back after the request

@@ -44,6 +44,8 @@ def test_config_from_env():
     ahead = ServerConfig.from_env(env).engine_options()
     assert (ahead["run_ahead_full_depth"], ahead["run_ahead_depth"]) == (False, 2)
     assert c.engine_options()["run_ahead_full_depth"] is True and c.engine_options()["run_ahead_depth"] == 1
+    assert ServerConfig.from_env({"OURO_FAST_DATAFLOW": "1"}).engine_options()["dataflow"] is True
+    assert c.engine_options()["dataflow"] is False
     with pytest.raises(ConfigError, match="OURO_FAST_MAX_WAITING"):
         ServerConfig.from_env({"OURO_FAST_MAX_WAITING": "many"})
     with pytest.raises(ConfigError, match="OURO_FAST_STREAM_BUFFER"):

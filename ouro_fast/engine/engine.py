@@ -61,6 +61,9 @@ class EngineConfig:
     # Also at full depth, where it hides the host's per-step work instead of an exit read-back.
     run_ahead_full_depth: bool = True
     run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
+    # Triton runner on CUDA, bf16: one-token decode loops as one persistent launch (kernels/dataflow.py;
+    # +1 copy of the layer weights). Measured 5.5% faster a loop alone; not yet measured in the engine.
+    dataflow: bool = False
 
 
 @dataclass
@@ -130,7 +133,22 @@ class Engine:
         load_weights(model, self.model_dir, self.model_config, self.dtype, self.device)
         if self._runner_kind() == "triton":
             model.fuse()  # one qkv and one gate_up matmul per layer
+            if self.config.dataflow:
+                self._attach_dataflow(model)
         return model.eval()
+
+    def _attach_dataflow(self, model: OuroForCausalLM) -> None:
+        # Before the KV pool is sized from free memory: the loop holds its own copy of the layer weights.
+        from ..kernels.dataflow import DataflowLoop, supported  # noqa: PLC0415 (triton only)
+
+        why = supported(self.model_config)
+        if self.device.type != "cuda" or self.dtype != torch.bfloat16:
+            why = "needs CUDA and bfloat16"
+        if why:
+            logger.warning("dataflow decode loop off: %s", why)
+            return
+        model.dataflow = DataflowLoop(model)
+        logger.info("dataflow decode loop on for one-token steps (%d streamers)", model.dataflow.streamers)
 
     def _runner_kind(self) -> str:
         kind = self.config.runner

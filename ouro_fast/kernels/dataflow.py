@@ -660,6 +660,10 @@ class DataflowLoop:
         self.desc = _descriptor(self.weights, self.bc)
         self.kernel = None  # the compiled kernel, once checked
 
+    def takes(self, h: torch.Tensor, batch) -> bool:
+        """Whether a step fits the defaults (one decode token of one row): run_loop_fused asks."""
+        return h.shape[0] == 1 and batch.block_tables.shape[0] == 1 and batch.max_q_len == 1
+
     def __call__(self, h: torch.Tensor, kv_cache: torch.Tensor, cos_sin: torch.Tensor, batch, block_size: int,
                  out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         n, rows = h.shape[0], batch.block_tables.shape[0]

@@ -20,7 +20,12 @@ from .ouro import OuroForCausalLM
 
 
 def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tensor:
-    """h [N, hidden] -> the loop's normed output [N, hidden] (which feeds the next loop)."""
+    """h [N, hidden] -> the loop's normed output [N, hidden] (which feeds the next loop).
+
+    A model with a DataflowLoop attached (EngineConfig.dataflow) runs the steps it takes in one launch."""
+    loop = getattr(model, "dataflow", None)
+    if loop is not None and loop.takes(h, attn.batch):
+        return loop(h, attn.kv_cache, attn.cos_sin, attn.batch, attn.block_size)
     cfg = model.config
     layers, eps = model.model.layers, cfg.rms_norm_eps
     n, hq, hkv, d = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
