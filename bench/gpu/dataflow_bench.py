@@ -3,7 +3,10 @@
 Per row count and config: one loop from the same h and KV cache through both (max |difference| of the
 outputs and of the K/V they wrote), then each captured in a CUDA graph and replayed. Prints JSON lines.
 
-    python3 bench/gpu/dataflow_bench.py --rows 1 8 --configs 128:2:4 256:4:2 256:4:2:row 128:2:4:free
+    python3 bench/gpu/dataflow_bench.py --rows 1 --configs 256:4:2:row 256:4:2:free:row
+    python3 bench/gpu/dataflow_bench.py --rows 8 --splits 1 --block-n 64 --configs 128:2:4
+
+The defaults (8 attention slices) fit one token; 8 tokens need fewer programs (second line).
 """
 
 from __future__ import annotations
@@ -27,10 +30,9 @@ from step_bench import build, decode_batch  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    ap.add_argument(
-        "--configs", nargs="+", default=["128:2:4"], help="streamers:tiles per iteration:stages[:free][:row]"
-    )
+    ap.add_argument("--rows", type=int, nargs="+", default=[1])
+    spec = "streamers:tiles an iteration:stages[:free][:row]"
+    ap.add_argument("--configs", nargs="+", default=["256:4:2:row"], help=spec)
     ap.add_argument("--block-n", type=int, default=16, help="attention workers' context block")
     ap.add_argument("--splits", type=int, default=8, help="attention slices per (row, KV head)")
     ap.add_argument("--prefetch-kv", type=int, default=1, help="1: attention prefetches its keys and values")
