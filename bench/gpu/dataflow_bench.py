@@ -31,8 +31,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
-    spec = "streamers:tiles an iteration:stages[:free][:row]"
-    ap.add_argument("--configs", nargs="+", default=["256:4:2:row"], help=spec)
+    config_help = "streamers:tiles an iteration:stages[:free][:row]"
+    ap.add_argument("--configs", nargs="+", default=["256:4:2:row"], help=config_help)
     ap.add_argument("--block-n", type=int, default=16, help="attention workers' context block")
     ap.add_argument("--splits", type=int, default=8, help="attention slices per (row, KV head)")
     ap.add_argument("--prefetch-kv", type=int, default=1, help="1: attention prefetches its keys and values")
