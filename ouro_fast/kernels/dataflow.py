@@ -34,11 +34,12 @@ Weights are repacked once into one [layers * rows_per_layer, hidden] bf16 tensor
 qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a group's 16
 rows give 8 SiLU outputs), and down cut into column chunks of `hidden`, zero padded.
 
-Status: an experiment, not on the engine's path yet. In the tests it matches run_loop_fused bit for
-bit under the interpreter and within bf16 rounding on the H200. One loop of the ouro-1.4b preset at
+Status: an experiment, off by default in the engine (EngineConfig.dataflow hands it one-token steps
+through run_loop_fused). In the tests it matches run_loop_fused bit for bit under the interpreter
+and within bf16 rounding on the H200. One loop of the ouro-1.4b preset at
 1 token takes 1.17 ms against run_loop_fused's 1.24 (the defaults; docs/benchmarks.md, "Eleventh
 session"; bench/gpu/dataflow_bench.py): the tile walk alone (FREE, timing only) 0.77 ms, the
-attention ~0.13 ms, the waits the rest. At 8 tokens the dot path is still ~3.5x slower.
+attention ~0.11-0.12 ms, the waits and norms the rest. At 8 tokens the dot path is still ~3.5x slower.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ import triton
 import triton.language as tl
 
 from ._util import interpreting
-from .decode_attention import attend_slice, merge_partials, slice_bounds, store_normalised, store_partial
-from .fused_decode import _cos_sin, _rotated, _write_kv
+from .decode_attention import attend_slice, slice_bounds, store_normalised, store_partial
+from .fused_decode import _cos_sin, _merge_group, _rotated, _write_kv
 from .norm import _rms
 from .rounding import round_to
 from .skinny_gemm import _dot
@@ -329,7 +330,7 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
 
 @triton.jit
 def _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr, q_start_ptr,
-            len_ptr, tok_off_ptr, row, kv_head, split, layer, rows, num_pos, scale_log2, stride_kl,
+            len_ptr, tok_off_ptr, row, kv_head, split, layer, num_pos, scale_log2, stride_kl,
             stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NQ: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
             BLOCK_N: tl.constexpr, S: tl.constexpr, PKV: tl.constexpr,
@@ -382,11 +383,9 @@ def _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table
                           HEAD_DIM, HEAD_DIM)  # fmt: skip
             ticket = cnt_ptr + L * _SLOTS + (layer * _MAX_ROWS + row) * NKV + kv_head
             done = _signal(ticket, INTERPRETED) == S - 1
-            if done:
-                merged = merge_partials(acc_ptr, m_ptr, l_ptr, base, HEAD_DIM, HEAD_DIM, S, ".cg")
-                offs = tl.arange(0, HEAD_DIM)
-                tl.store(out + tok * H + kv_head * HEAD_DIM + offs, round_to(merged, out.dtype.element_ty,
-                                                                             INTERPRETED))  # fmt: skip
+            if done:  # fused_decode's merge: one query head per KV head here (plain MHA)
+                _merge_group(out, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, H, HEAD_DIM, NKV, 1, HEAD_DIM,
+                             HEAD_DIM, S, INTERPRETED)  # fmt: skip
     if done:
         _signal(cnt_ptr + layer * _SLOTS + 2, INTERPRETED)
 
@@ -511,7 +510,7 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
         w = pid - G
         for layer in range(L):
             _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr,
-                    q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer, rows,
+                    q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer,
                     num_pos, scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ,
                     NKV, HEAD_DIM, PAGE, BLOCK_N, S, PKV, INTERPRETED)  # fmt: skip
     else:
@@ -552,7 +551,7 @@ def _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, 
                     TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for w in range(rows * NKV * S):
             _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr,
-                    q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer, rows,
+                    q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer,
                     num_pos, scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ,
                     NKV, HEAD_DIM, PAGE, BLOCK_N, S, PKV, INTERPRETED)  # fmt: skip
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 1, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
