@@ -4,6 +4,7 @@ On a CPU-only machine the kernel runs under TRITON_INTERPRET=1 in its SERIAL for
 runs every role in dependency order, with the streamers' tile walk and the same arithmetic.
 """
 
+import dataclasses
 import logging
 import os
 
@@ -30,8 +31,8 @@ CFG = OuroConfig(hidden_size=128, intermediate_size=320, num_hidden_layers=2, nu
 PAGE = 4
 
 
-def make_model():
-    model = random_model(CFG).to(device=DEV, dtype=torch.bfloat16)
+def make_model(cfg=CFG):
+    model = random_model(cfg).to(device=DEV, dtype=torch.bfloat16)
     model.fuse()
     return model
 
@@ -93,6 +94,33 @@ def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row,
         torch.testing.assert_close(got_cache, attn.kv_cache, atol=0.05, rtol=0.02)
     written = batch.slot_mapping
     assert not torch.equal(got_cache[:, :, written], cache[:, :, written])  # the new K/V was written
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="needs a 16 GiB KV cache")
+def test_layer_offsets_past_2_31_elements():
+    # A full KV pool (the 1.4B preset on the H200) has layer strides just under 2**31 elements: from layer 2
+    # on, layer * stride overflows 32 bits. Four layers of 2**30 elements each reach it here.
+    cfg = dataclasses.replace(CFG, num_hidden_layers=4)
+    model = make_model(cfg)
+    bt = BlockTable(64, PAGE, 4, 3, 6)
+    for slot in range(3):
+        assert bt.allocate(slot, 20)
+    batch = decode_batch([(1, 2, 19)], bt)
+    slots_per_layer = 2**30 // (cfg.num_key_value_heads * cfg.head_dim)
+    cache = torch.empty((2, 4, slots_per_layer, cfg.num_key_value_heads, cfg.head_dim), dtype=torch.bfloat16,
+                        device=DEV)  # fmt: skip
+    assert cache[0].stride(0) < 2**31 <= 2 * cache[0].stride(0)
+    cache[:, :, : 64 * PAGE] = torch.randn(cache[:, :, : 64 * PAGE].shape, device=DEV).to(torch.bfloat16)
+    attn = TritonPagedAttention(cache, PAGE, cfg.rope_theta, 64)
+    attn.batch = batch
+    h = torch.randn(1, cfg.hidden_size, device=DEV).to(torch.bfloat16)
+    with torch.no_grad():
+        got = DataflowLoop(model, block_n=4)(h, cache, attn.cos_sin, batch, PAGE)
+        written = cache[:, :, batch.slot_mapping].clone()
+        # The reference writes the same new slots before it reads them: the same cache serves both.
+        expect = run_loop_fused(model, h.clone(), attn)
+    torch.testing.assert_close(got, expect, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(written, cache[:, :, batch.slot_mapping], atol=0.05, rtol=0.02)
 
 
 def test_pack_weights_layout():
