@@ -235,8 +235,17 @@ def test_engine_dataflow_off_with_a_warning_where_unsupported(mha_dir, caplog):
     assert eng.bt.num_free_blocks == eng.bt.num_blocks
 
 
+def test_engine_dataflow_default_is_quiet_where_unsupported(mha_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="ouro_fast"):
+        eng = engine(mha_dir, dtype="float32")  # the default: on where supported
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "dataflow decode loop off: needs CUDA and bfloat16" in caplog.text  # said at INFO
+    assert getattr(eng.model, "dataflow", None) is None
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="the dataflow loop runs in the engine only on CUDA (bf16)")
-def test_engine_dataflow_serves_one_token_steps(mha_dir, monkeypatch):
+@pytest.mark.parametrize("dataflow", [True, None])
+def test_engine_dataflow_serves_one_token_steps(mha_dir, monkeypatch, dataflow):
     calls, call = [], DataflowLoop.__call__
 
     def counted(loop, *args, **kwargs):
@@ -244,7 +253,7 @@ def test_engine_dataflow_serves_one_token_steps(mha_dir, monkeypatch):
         return call(loop, *args, **kwargs)
 
     monkeypatch.setattr(DataflowLoop, "__call__", counted)
-    eng = engine(mha_dir, dtype="bfloat16", dataflow=True)
+    eng = engine(mha_dir, dtype="bfloat16", dataflow=dataflow)  # asked for, or by default
     assert isinstance(eng.model.dataflow, DataflowLoop)
     out = generate(eng, [5, 6, 7], 8)
     assert len(out.request.output_ids) == 8 and calls  # called at least when the one-row graphs were captured

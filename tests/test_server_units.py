@@ -45,7 +45,11 @@ def test_config_from_env():
     assert (ahead["run_ahead_full_depth"], ahead["run_ahead_depth"]) == (False, 2)
     assert c.engine_options()["run_ahead_full_depth"] is True and c.engine_options()["run_ahead_depth"] == 1
     assert ServerConfig.from_env({"OURO_FAST_DATAFLOW": "1"}).engine_options()["dataflow"] is True
-    assert c.engine_options()["dataflow"] is False
+    assert ServerConfig.from_env({"OURO_FAST_DATAFLOW": "off"}).engine_options()["dataflow"] is False
+    assert ServerConfig.from_env({"OURO_FAST_DATAFLOW": "auto"}).engine_options()["dataflow"] is None
+    assert c.engine_options()["dataflow"] is None  # auto: on where supported
+    with pytest.raises(ConfigError, match="OURO_FAST_DATAFLOW"):
+        ServerConfig.from_env({"OURO_FAST_DATAFLOW": "sometimes"})
     with pytest.raises(ConfigError, match="OURO_FAST_MAX_WAITING"):
         ServerConfig.from_env({"OURO_FAST_MAX_WAITING": "many"})
     with pytest.raises(ConfigError, match="OURO_FAST_STREAM_BUFFER"):

@@ -169,8 +169,8 @@ def main() -> None:
     # PROBE_RUN_AHEAD_DEPTH: launches queued ahead (1..3).
     ahead = os.environ.get("PROBE_RUN_AHEAD", "1")
     depth = int(os.environ.get("PROBE_RUN_AHEAD_DEPTH", "1"))
-    # PROBE_DATAFLOW=1: one-token decode loops as one persistent launch (EngineConfig.dataflow).
-    dataflow = os.environ.get("PROBE_DATAFLOW", "0") == "1"
+    # PROBE_DATAFLOW: 1 on, 0 off, unset the default (EngineConfig.dataflow: on where supported).
+    dataflow = {"1": True, "0": False}.get(os.environ.get("PROBE_DATAFLOW", ""))
     eng = Engine(EngineConfig(model=CKPT, max_num_seqs=64, max_num_batched_tokens=2048, runner=runner,
                               run_ahead=ahead != "0", run_ahead_full_depth=ahead == "full",
                               run_ahead_depth=depth, dataflow=dataflow))  # fmt: skip

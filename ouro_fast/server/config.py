@@ -43,7 +43,7 @@ class ServerConfig:
     run_ahead: bool = True  # triton runner: decode-only batches launch before their exits are read
     run_ahead_full_depth: bool = True  # ... also when no row can exit early (hides host work per step)
     run_ahead_depth: int = 1  # launches queued ahead of the one the host reads back (1..3)
-    dataflow: bool = False  # triton runner on CUDA: one-token decode loops in one launch (experimental)
+    dataflow: bool | None = None  # one-token decode loops in one launch; None (auto): where supported
     api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
     max_body_bytes: int = 8 << 20
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
@@ -117,6 +117,8 @@ def env_name(field_name: str) -> str:
 def _parse(name: str, type_name: str, raw: str):
     try:
         if "bool" in type_name:
+            if "None" in type_name and raw.lower() == "auto":
+                return None
             if raw.lower() not in _BOOLS:
                 raise ValueError(raw)
             return _BOOLS[raw.lower()]
