@@ -688,8 +688,6 @@ class DataflowLoop:
             TPI=self.tpi, FREE=self.free, ONE_ROW=one_row, S=self.splits, PKV=self.prefetch_kv, SERIAL=serial,
             INTERPRETED=serial, num_warps=_WARPS, num_stages=1,
         )  # fmt: skip
-        if not serial:  # the driver then runs all programs at once or refuses: never a launch that hangs
-            meta["launch_cooperative_grid"] = True
         if not serial:
             self._check_resident(grid[0], _dataflow_kernel.warmup(*args, grid=grid, **meta))
         _dataflow_kernel[grid](*args, **meta)
