@@ -718,12 +718,20 @@ def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def commit_dirty(commit: str, detected: str) -> bool | None:
+    """Whether the tree differs from `commit`: "+dirty" on it says so; otherwise git's state when git sees
+    that very commit, else unknown (a copy without .git may sit inside another repository)."""
+    if commit.endswith("+dirty"):
+        return True
+    same = detected and detected.removesuffix("+dirty").startswith(commit)
+    return detected.endswith("+dirty") if same else None
+
+
 def run_header(args: argparse.Namespace) -> dict:
     """The manifest's opening: machine, commit, settings, client, taken before anything runs."""
     detected = git_commit().replace("unknown", "")  # "" without git or a .git (the GPU machine's copy)
     commit = args.commit or detected or "unknown"
-    # --commit may say "+dirty" itself; otherwise the tree's own state, unknown without a .git.
-    dirty = True if commit.endswith("+dirty") else detected.endswith("+dirty") if detected else None
+    dirty = commit_dirty(commit, detected)
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "gpu": gpu_name(), "loadavg_start": _loadavg()}
     return {
         "tool": "bench/serve_bench.py",

@@ -187,3 +187,12 @@ def test_metrics_parsing_rejects_garbage_and_reads_escaped_labels():
     assert sb.metric_sum(samples, "x_total") == 7.5
     assert sb.metric_sum(samples, "x_total", k="v") == 3
     assert samples[0][1]["model_name"] == 'a\\"b'
+
+
+def test_commit_dirty_trusts_git_only_for_the_named_commit():
+    assert sb.commit_dirty("abc1234+dirty", "") is True
+    assert sb.commit_dirty("abc1234", "abc1234def+dirty") is True  # git sees that commit, changed
+    assert sb.commit_dirty("abc1234", "abc1234def") is False
+    # A copy without .git inside another repository: git's answer is about that other tree.
+    assert sb.commit_dirty("abc1234", "fff0000+dirty") is None
+    assert sb.commit_dirty("abc1234", "") is None
