@@ -34,12 +34,13 @@ Weights are repacked once into one [layers * rows_per_layer, hidden] bf16 tensor
 qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a group's 16
 rows give 8 SiLU outputs), and down cut into column chunks of `hidden`, zero padded.
 
-Status: an experiment, off by default in the engine (EngineConfig.dataflow hands it one-token steps
-through run_loop_fused). In the tests it matches run_loop_fused bit for bit under the interpreter
-and within bf16 rounding on the H200. One loop of the ouro-1.4b preset at
-1 token takes 1.17 ms against run_loop_fused's 1.24 (the defaults; docs/benchmarks.md, "Eleventh
-session"; bench/gpu/dataflow_bench.py): the tile walk alone (FREE, timing only) 0.77 ms, the
-attention ~0.11-0.12 ms, the waits and norms the rest. At 8 tokens the dot path is still ~3.5x slower.
+Status: on by default in the engine where supported (EngineConfig.dataflow: CUDA, bf16, Hopper;
+run_loop_fused hands it one-token steps; served TPOT at concurrency 1 5.05 ms against 5.31). In the
+tests it matches run_loop_fused bit for bit under the interpreter and within bf16 rounding on the
+H200. One loop of the ouro-1.4b preset at 1 token takes 1.17 ms against run_loop_fused's 1.24 (the
+defaults; docs/benchmarks.md, "Eleventh session"; bench/gpu/dataflow_bench.py): the tile walk alone
+(FREE, timing only) 0.77 ms, the attention ~0.11-0.12 ms, the waits and norms the rest. At 8 tokens
+the dot path is still ~3.5x slower.
 """
 
 from __future__ import annotations
