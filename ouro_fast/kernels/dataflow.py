@@ -6,8 +6,8 @@ launch or a grid barrier between them (docs/benchmarks.md, "Seventh session"). H
 the programs stay resident for the whole loop and take one of three roles:
 
 - streamers [0, G): each owns a fixed share of row groups (GR rows: 16, or 8 for one
-  token) of every matrix of every layer and walks them in one flat loop of [GR, BC] weight tiles. The tiles
-  are TMA loads that `tl.range` pipelines STAGES deep, across matrix and layer
+  token) of every matrix of every layer and walks them in one flat loop of [GR, BC]
+  weight tiles. The tiles are TMA loads that `tl.range` pipelines STAGES deep, across matrix and layer
   boundaries alike: a tile's address depends only on the loop index. Only the
   activation chunk a tile multiplies waits: before the first tile of a matrix the
   streamer polls that matrix's input counter. A group's last tile stores its
@@ -31,8 +31,9 @@ run one after another) one program runs every role in dependency order (SERIAL),
 with the same tile walk and arithmetic.
 
 Weights are repacked once into one [layers * rows_per_layer, hidden] bf16 tensor:
-qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a group's 16
-rows give 8 SiLU outputs), and down cut into column chunks of `hidden`, zero padded.
+qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a 16-row group's
+rows give 8 SiLU outputs; an 8-row group holds one half), and down cut into column chunks
+of `hidden`, zero padded.
 
 Status: on by default in the engine where supported (EngineConfig.dataflow: CUDA, bf16, Hopper;
 run_loop_fused hands it one-token steps; served TPOT at concurrency 1 5.05 ms against 5.31). In the
