@@ -59,15 +59,14 @@ def decode_batch(rows, bt):
     )
 
 
-# One token runs the ONE_ROW path (products on CUDA cores) unless one_row is off; there, 8-row groups too.
-# With splits > 1 each head's context is cut into slices of 4 positions (block_n 4), merged by the last
-# slice to arrive.
+# One token runs the ONE_ROW path (products on CUDA cores) unless one_row is off. With splits > 1 each
+# head's context is cut into slices of 4 positions (block_n 4), merged by the last slice to arrive.
 @pytest.mark.parametrize(
-    "streamers, tiles, tokens, one_row, splits, group_rows",
-    [(1, 2, 4, True, 1, 16), (3, 2, 4, True, 3, 16), (3, 4, 4, True, 1, 16), (3, 2, 1, True, 1, 16),
-     (2, 4, 1, True, 4, 16), (3, 2, 1, False, 2, 16), (3, 2, 1, True, 1, 8), (5, 4, 1, True, 4, 8)],
+    "streamers, tiles, tokens, one_row, splits",
+    [(1, 2, 4, True, 1), (3, 2, 4, True, 3), (3, 4, 4, True, 1), (3, 2, 1, True, 1), (2, 4, 1, True, 4),
+     (3, 2, 1, False, 2)],
 )  # fmt: skip
-def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row, splits, group_rows):
+def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row, splits):
     model = make_model()
     bt = BlockTable(64, PAGE, 4, 3, 6)
     for slot in range(3):
@@ -83,7 +82,7 @@ def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row,
         DEV, torch.bfloat16
     )
     loop = DataflowLoop(model, streamers=streamers, tiles=tiles, one_row=one_row, splits=splits,
-                        block_n=4 if splits > 1 else 64, group_rows=group_rows)  # fmt: skip
+                        block_n=4 if splits > 1 else 64)  # fmt: skip
     got_cache = cache.clone()
     with torch.no_grad():
         expect = run_loop_fused(model, h.clone(), attn)
@@ -166,12 +165,6 @@ def test_bad_inputs_are_clear_errors():
         loop(torch.zeros(9, CFG.hidden_size, dtype=torch.bfloat16, device=DEV), cache, cos_sin, batch, PAGE)
     with pytest.raises(ValueError, match="contiguous bf16"):
         loop(torch.zeros(1, CFG.hidden_size, device=DEV), cache, cos_sin, batch, PAGE)
-    with pytest.raises(ValueError, match="group_rows must be 8 or 16"):
-        DataflowLoop(model, streamers=1, group_rows=4)
-    eight = DataflowLoop(model, streamers=1, group_rows=8)
-    two = decode_batch([(0, 0, 3), (0, 0, 3)], bt)
-    with pytest.raises(ValueError, match="8-row groups need one token"):  # the dot path needs 16 rows
-        eight(torch.zeros(2, CFG.hidden_size, dtype=torch.bfloat16, device=DEV), cache, cos_sin, two, PAGE)
 
 
 def test_run_loop_fused_hands_one_token_steps_to_an_attached_loop():

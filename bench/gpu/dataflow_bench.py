@@ -3,7 +3,7 @@
 Per row count and config: one loop from the same h and KV cache through both (max |difference| of the
 outputs and of the K/V they wrote), then each captured in a CUDA graph and replayed. Prints JSON lines.
 
-    python3 bench/gpu/dataflow_bench.py --rows 1 --configs 256:4:2:row 256:4:2:free:row 256:8:2:row:r8
+    python3 bench/gpu/dataflow_bench.py --rows 1 --configs 256:4:2:row 256:4:2:free:row
     python3 bench/gpu/dataflow_bench.py --rows 8 --splits 1 --block-n 64 --configs 128:2:4
 
 The defaults (8 attention slices) fit one token; 8 tokens need fewer programs (second line).
@@ -31,7 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
-    config_help = "streamers:tiles an iteration:stages[:free][:row][:r8]"
+    config_help = "streamers:tiles an iteration:stages[:free][:row]"
     ap.add_argument("--configs", nargs="+", default=["256:4:2:row"], help=config_help)
     ap.add_argument("--block-n", type=int, default=16, help="attention workers' context block")
     ap.add_argument("--splits", type=int, default=8, help="attention slices per (row, KV head)")
@@ -43,13 +43,11 @@ def main() -> None:
     cfg, page, max_blocks = model.config, 16, 64
     loops = {}
     for spec in args.configs:
-        # Flags after the numbers: "free", the walk alone (no waits, no workers); "row", one_row at 1 token;
-        # "r8", 8-row groups (one_row at 1 token only).
+        # Flags after the numbers: "free", the walk alone (no waits, no workers); "row", one_row at 1 token.
         g, t, s, *flags = spec.split(":")
         loops[spec] = DataflowLoop(model, streamers=int(g), tiles=int(t), stages=int(s), free="free" in flags,
                                    one_row="row" in flags, block_n=args.block_n,
-                                   splits=args.splits, prefetch_kv=bool(args.prefetch_kv),
-                                   group_rows=8 if "r8" in flags else 16)  # fmt: skip
+                                   splits=args.splits, prefetch_kv=bool(args.prefetch_kv))  # fmt: skip
     for rows in args.rows:
         shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
         cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)

@@ -5,9 +5,9 @@ layer's weights stream in ~22 us with nothing between the matrices, in ~32 us wi
 launch or a grid barrier between them (docs/benchmarks.md, "Seventh session"). Here
 the programs stay resident for the whole loop and take one of three roles:
 
-- streamers [0, G): each owns a fixed share of row groups (GR rows: 16, or 8 for one
-  token) of every matrix of every layer and walks them in one flat loop of [GR, BC]
-  weight tiles. The tiles are TMA loads that `tl.range` pipelines STAGES deep, across matrix and layer
+- streamers [0, G): each owns a fixed share of row groups (BR rows) of every matrix
+  of every layer and walks them in one flat loop of [BR, BC] weight tiles. The tiles
+  are TMA loads that `tl.range` pipelines STAGES deep, across matrix and layer
   boundaries alike: a tile's address depends only on the loop index. Only the
   activation chunk a tile multiplies waits: before the first tile of a matrix the
   streamer polls that matrix's input counter. A group's last tile stores its
@@ -31,9 +31,8 @@ run one after another) one program runs every role in dependency order (SERIAL),
 with the same tile walk and arithmetic.
 
 Weights are repacked once into one [layers * rows_per_layer, hidden] bf16 tensor:
-qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a 16-row group's
-rows give 8 SiLU outputs; an 8-row group holds one half), and down cut into column chunks
-of `hidden`, zero padded.
+qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a group's 16
+rows give 8 SiLU outputs), and down cut into column chunks of `hidden`, zero padded.
 
 Status: on by default in the engine where supported (EngineConfig.dataflow: CUDA, bf16, Hopper;
 run_loop_fused hands it one-token steps; served TPOT at concurrency 1 5.05 ms against 5.31). In the
@@ -60,10 +59,11 @@ from .rounding import round_to
 from .skinny_gemm import _dot
 from .swiglu import silu_mul
 
-ROWS_PER_GROUP = 16  # weight rows per group (the dot's smallest M); ONE_ROW may use 8
+ROWS_PER_GROUP = 16  # weight rows per group (the dot's smallest M)
 PAD_TOKENS = 16  # activation rows per tile, padded (the dot's smallest N)
 SLOTS = 8  # counters per layer
 MAX_ROWS = 8  # 2 programs per SM: 128 streamers + 17 workers per row fit 264 slots up to 8 rows
+BR = tl.constexpr(ROWS_PER_GROUP)
 RP = tl.constexpr(PAD_TOKENS)
 _SLOTS = tl.constexpr(SLOTS)
 _MAX_ROWS = tl.constexpr(MAX_ROWS)
@@ -146,7 +146,7 @@ def _share(n, c, G):
 @triton.jit
 def _coords(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H: tl.constexpr, RPL: tl.constexpr,
             B_O: tl.constexpr, B_GU: tl.constexpr, B_DN: tl.constexpr, NCB: tl.constexpr, DB: tl.constexpr,
-            BC: tl.constexpr, GR: tl.constexpr):  # fmt: skip
+            BC: tl.constexpr):  # fmt: skip
     # Tile i of a streamer's walk -> (layer, segment, group, tile in group, its weight row and column,
     # the activation column it multiplies, tiles per group).
     layer = i // P
@@ -159,7 +159,7 @@ def _coords(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H: tl.constexpr, RPL: tl.c
     g = gl + tl.where(seg == 0, q_lo, tl.where(seg == 1, o_lo, tl.where(seg == 2, u_lo, d_lo)))
     kcol = b * BC
     base = tl.where(seg == 0, 0, tl.where(seg == 1, B_O, tl.where(seg == 2, B_GU, B_DN)))
-    w_row = layer * RPL + base + g * GR + (kcol // H) * H
+    w_row = layer * RPL + base + g * BR + (kcol // H) * H
     return layer, seg, s, g, b, w_row, kcol % H, kcol, bpg
 
 
@@ -234,19 +234,18 @@ def _store_group(
     H: tl.constexpr,
     FF: tl.constexpr,
     L: tl.constexpr,
-    GR: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    # acc [GR, RP] (weight rows x tokens) -> the matrix's output columns g*GR.. of each token row.
+    # acc [BR, RP] (weight rows x tokens) -> the matrix's output columns g*BR.. of each token row.
     region = tl.where(seg == 0, 1, tl.where(seg == 1, 3, tl.where(seg == 2, 5, 6)))
     width = tl.where(seg == 0, 3 * H, tl.where(seg == 2, 2 * FF, H))
-    offs_r = tl.arange(0, GR)
+    offs_r = tl.arange(0, BR)
     offs_m = tl.arange(0, RP)
     ptrs = (
         act_ptr
         + _region_off(region, H, FF, L)
         + (layer * RP + offs_m).to(tl.int64)[None, :] * width
-        + g * GR
+        + g * BR
         + offs_r[:, None]
     )
     tl.store(ptrs, round_to(acc, act_ptr.dtype.element_ty, INTERPRETED), mask=(offs_m < N)[None, :])
@@ -268,7 +267,7 @@ def _target(seg, N, rows, NKV: tl.constexpr, NGU: tl.constexpr):
 @triton.jit
 def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr, NKV: tl.constexpr,
-            BC: tl.constexpr, GR: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr,
+            BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr,
             ONE_ROW: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG,
             INTERPRETED: tl.constexpr):  # fmt: skip
     # Streamer c's walk; SERIAL: only its tiles of (LAYER, SEG), every activation loaded when used.
@@ -291,13 +290,13 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
     if SERIAL:
         lo = LAYER * P + tl.where(SEG == 0, 0, tl.where(SEG == 1, e1, tl.where(SEG == 2, e2, e3)))
         hi = LAYER * P + tl.where(SEG == 0, e1, tl.where(SEG == 1, e2, tl.where(SEG == 2, e3, P)))
-    acc = tl.zeros([GR, RP], tl.float32)
-    acc_r = tl.zeros([GR, BC], tl.float32)  # ONE_ROW: products summed elementwise across a group's tiles
+    acc = tl.zeros([BR, RP], tl.float32)
+    acc_r = tl.zeros([BR, BC], tl.float32)  # ONE_ROW: products summed elementwise across a group's tiles
     for i in tl.range(lo, hi, num_stages=STAGES):
         layer, seg, s, g, b, w_row, w_col, kcol, bpg = _coords(
-            i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, B_O, B_GU, B_DN, NCB, DB, TPI * BC, GR
+            i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, B_O, B_GU, B_DN, NCB, DB, TPI * BC
         )
-        # TPI [GR, BC] tiles an iteration: one activation round trip (L2) per TPI * BC columns.
+        # TPI [BR, BC] tiles an iteration: one activation round trip (L2) per TPI * BC columns.
         # Only a matrix's first tile polls: the later ones need nothing more. Within a matrix nothing
         # is loaded ahead: a streamer's own outputs may be what the next matrix waits for.
         tgt = tl.where((s == 0) & (not FREE), _target(seg, N, rows, NKV, NGU), 0)
@@ -322,7 +321,7 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
         if (b == bpg - 1) and (not _NOSTORE):
             if ONE_ROW:  # the group's one cross-thread sum, into token column 0
                 acc = tl.where((tl.arange(0, RP) == 0)[None, :], tl.sum(acc_r, axis=1)[:, None], 0.0)
-            _store_group(act_ptr, acc, layer, seg, g, N, H, FF, L, GR, INTERPRETED)
+            _store_group(act_ptr, acc, layer, seg, g, N, H, FF, L, INTERPRETED)
             # Every reader waits for all of a matrix's groups: count a share's groups once, after its last
             # (a release per group stalled the walk).
             n_seg = tl.where(seg == 0, nq, tl.where(seg == 1, no, tl.where(seg == 2, nu, nd)))
@@ -490,21 +489,21 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
                      scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt,
                      H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, NKV: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
-                     GR: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr,
-                     ONE_ROW: tl.constexpr, S: tl.constexpr, PKV: tl.constexpr, SERIAL: tl.constexpr,
+                     STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr, ONE_ROW: tl.constexpr,
+                     S: tl.constexpr, PKV: tl.constexpr, SERIAL: tl.constexpr,
                      INTERPRETED: tl.constexpr):  # fmt: skip
-    NQ: tl.constexpr = 3 * H // GR
-    NO: tl.constexpr = H // GR
-    NGU: tl.constexpr = 2 * FF // GR
-    ND: tl.constexpr = H // GR
+    NQ: tl.constexpr = 3 * H // BR
+    NO: tl.constexpr = H // BR
+    NGU: tl.constexpr = 2 * FF // BR
+    ND: tl.constexpr = H // BR
     pid = tl.program_id(0)
     if SERIAL:
         _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
                 table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2,
                 stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NKV, NQ, NO, NGU, ND,
-                HEAD_DIM, PAGE, BLOCK_N, BC, GR, STAGES, TPI, ONE_ROW, S, PKV, INTERPRETED)  # fmt: skip
+                HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, ONE_ROW, S, PKV, INTERPRETED)  # fmt: skip
     elif pid < G:
-        _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, GR, STAGES, TPI,
+        _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI,
                 FREE, ONE_ROW, False, 0, 0, INTERPRETED)  # fmt: skip
     elif FREE:  # timing of the streamers' walk alone: no worker runs, no streamer waits
         pass
@@ -527,12 +526,12 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
 @triton.jit
 def _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, seg, H: tl.constexpr, FF: tl.constexpr,
                 L: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
-                NKV: tl.constexpr, BC: tl.constexpr, GR: tl.constexpr, STAGES: tl.constexpr,
-                TPI: tl.constexpr, ONE_ROW: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+                NKV: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr,
+                ONE_ROW: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every streamer's tiles of one matrix of one layer, streamer by streamer (the serial form).
     for c in range(G):
-        _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, GR, STAGES, TPI,
-                False, ONE_ROW, True, layer, seg, INTERPRETED)  # fmt: skip
+        _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, False,
+                ONE_ROW, True, layer, seg, INTERPRETED)  # fmt: skip
 
 
 @triton.jit
@@ -541,32 +540,31 @@ def _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, 
             stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr,
             L: tl.constexpr, NKV: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr,
             ND: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-            BC: tl.constexpr, GR: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr,
-            ONE_ROW: tl.constexpr, S: tl.constexpr, PKV: tl.constexpr,
-            INTERPRETED: tl.constexpr):  # fmt: skip
+            BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, ONE_ROW: tl.constexpr, S: tl.constexpr,
+            PKV: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every role in dependency order, in one program (the interpreter runs programs one at a time).
     # The residual streams live in the out rows between steps (out is written last by the final norm).
     for tok in range(N):
         h = _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H, INTERPRETED)
         tl.store(out_ptr + tok * H + tl.arange(0, H), h)
     for layer in range(L):
-        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 0, H, FF, L, NQ, NO, NGU, ND, NKV, BC, GR,
-                    STAGES, TPI, ONE_ROW, INTERPRETED)  # fmt: skip
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 0, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for w in range(rows * NKV * S):
             _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr,
                     q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer,
                     num_pos, scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ,
                     NKV, HEAD_DIM, PAGE, BLOCK_N, S, PKV, INTERPRETED)  # fmt: skip
-        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 1, H, FF, L, NQ, NO, NGU, ND, NKV, BC, GR,
-                    STAGES, TPI, ONE_ROW, INTERPRETED)  # fmt: skip
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 1, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, INTERPRETED)
             tl.store(out_ptr + tok * H + tl.arange(0, H), h)
-        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 2, H, FF, L, NQ, NO, NGU, ND, NKV, BC, GR,
-                    STAGES, TPI, ONE_ROW, INTERPRETED)  # fmt: skip
-        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 3, H, FF, L, NQ, NO, NGU, ND, NKV, BC, GR,
-                    STAGES, TPI, ONE_ROW, INTERPRETED)  # fmt: skip
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 2, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 3, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L,
@@ -632,7 +630,6 @@ class DataflowLoop:
         one_row: bool = True,
         splits: int = 8,
         prefetch_kv: bool = True,
-        group_rows: int = ROWS_PER_GROUP,
     ):
         cfg = model.config
         why = supported(cfg)
@@ -660,13 +657,7 @@ class DataflowLoop:
         self.splits = splits  # attention slices per (row, KV head); their fp32 partials (acc, m, l):
         self.partials = torch.empty(MAX_ROWS * kv * splits * (cfg.head_dim + 2), dtype=torch.float32,
                                     device=dev)  # fmt: skip
-        # Rows per group: 16 (the dot's smallest M), or 8 for one token only (ONE_ROW): twice the groups, so
-        # o_proj's and down's H/8 groups cover 256 streamers instead of leaving half of them idle. Not yet
-        # measured on a GPU (docs/benchmarks.md, "Twelfth session").
-        if group_rows not in (8, ROWS_PER_GROUP):
-            raise ValueError(f"dataflow loop: group_rows must be 8 or {ROWS_PER_GROUP}, got {group_rows}")
-        self.group_rows = group_rows
-        self.desc = _descriptor(self.weights, group_rows, self.bc)
+        self.desc = _descriptor(self.weights, self.bc)
         self.kernel = None  # the compiled kernel, once checked
 
     def takes(self, h: torch.Tensor, batch) -> bool:
@@ -684,8 +675,6 @@ class DataflowLoop:
         self.counters.zero_()
         serial = interpreting()
         one_row = n == 1 and self.one_row
-        if self.group_rows < ROWS_PER_GROUP and not one_row:
-            raise ValueError(f"dataflow loop: {self.group_rows}-row groups need one token and one_row")
         kc, vc = kv_cache[0], kv_cache[1]
         grid = (1,) if serial else (self.streamers + rows * self.cfg.num_key_value_heads * self.splits + n,)
         args = (
@@ -696,9 +685,9 @@ class DataflowLoop:
         )  # fmt: skip
         meta = dict(
             H=self.h, FF=self.inter, L=self.layers, NKV=self.cfg.num_key_value_heads,
-            HEAD_DIM=self.cfg.head_dim, PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, GR=self.group_rows,
-            STAGES=self.stages, TPI=self.tpi, FREE=self.free, ONE_ROW=one_row, S=self.splits,
-            PKV=self.prefetch_kv, SERIAL=serial, INTERPRETED=serial, num_warps=_WARPS, num_stages=1,
+            HEAD_DIM=self.cfg.head_dim, PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages,
+            TPI=self.tpi, FREE=self.free, ONE_ROW=one_row, S=self.splits, PKV=self.prefetch_kv, SERIAL=serial,
+            INTERPRETED=serial, num_warps=_WARPS, num_stages=1,
         )  # fmt: skip
         if not serial:
             self._check_resident(grid[0], _dataflow_kernel.warmup(*args, grid=grid, **meta))
@@ -726,10 +715,10 @@ class DataflowLoop:
         self.kernel = kernel
 
 
-def _descriptor(w: torch.Tensor, rows: int, bc: int):
+def _descriptor(w: torch.Tensor, bc: int):
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
-    return TensorDescriptor.from_tensor(w, [rows, bc])
+    return TensorDescriptor.from_tensor(w, [ROWS_PER_GROUP, bc])
 
 
 def _streamers(device: torch.device) -> int:
