@@ -193,10 +193,9 @@ def _x_tile(act_ptr, layer, seg, kcol, N, ok, H: tl.constexpr, FF: tl.constexpr,
 
 
 @triton.jit
-def _x_chunk(act_ptr, layer, seg, offs_k, ok, xs, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
+def _x_chunk(act_ptr, layer, seg, offs_k, ok, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
              INTERPRETED: tl.constexpr):  # fmt: skip
-    # ONE_ROW: token 0's activations at columns offs_k (any shape), as _x_tile reads them (bf16, 0 past K);
-    # qkv and gate_up read the normed x the streamer stored itself at element xs (_fold).
+    # ONE_ROW: token 0's activations at columns offs_k (any shape), as _x_tile reads them (bf16, 0 past K).
     k_ok = offs_k < tl.where(seg == 3, FF, H)
     base = act_ptr + _region_off(_x_region(seg), H, FF, L) + ok + layer * RP * tl.where(seg == 3, 2 * FF, H)
     if seg == 3:
@@ -204,65 +203,9 @@ def _x_chunk(act_ptr, layer, seg, offs_k, ok, xs, H: tl.constexpr, FF: tl.conste
         gate = tl.load(base + col, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         up = tl.load(base + col + 8, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         x = silu_mul(gate, up, tl.bfloat16, INTERPRETED)
-    elif seg == 1:
-        x = tl.load(base + offs_k, mask=k_ok, other=0.0, cache_modifier=".cg")
     else:
-        x = tl.load(act_ptr + xs + ok + offs_k, mask=k_ok, other=0.0)
+        x = tl.load(base + offs_k, mask=k_ok, other=0.0, cache_modifier=".cg")
     return x
-
-
-@triton.jit
-def _fold(act_ptr, norm_ptr, h_ptr, dst_ptr, layer, seg, writer, ok, eps, H: tl.constexpr, FF: tl.constexpr,
-          L: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    # ONE_ROW: the add + RMSNorms between matrices, run by each streamer itself (no norm worker: one hop
-    # less a boundary), with norm.py's arithmetic. Before qkv (seg 0) of `layer`: h += RMS(down of the
-    # layer before, post_attention_layernorm_2), x = RMS(h, input_layernorm) (layer L: the final norm);
-    # before gate_up (seg 2): h += RMS(o_proj, input_layernorm_2), x = RMS(h, post_attention_layernorm).
-    # x -> dst_ptr; the writer (one streamer) stores h in its slot for the next boundary. Returns 0 after a
-    # CTA barrier, for the loads of x to depend on.
-    offs = tl.arange(0, H)
-    slot = 2 * layer + (seg == 2).to(tl.int32)  # h slots: 2l entering layer l, 2l + 1 after its attention
-    a_layer = tl.maximum(layer - (seg == 0).to(tl.int32), 0)
-    a_src = act_ptr + _region_off(tl.where(seg == 0, 6, 3), H, FF, L) + ok + a_layer * RP * H
-    add = (offs * 0 + slot) > 0  # slot 0 starts from the loop's input h: nothing to add
-    a = tl.load(a_src + offs, mask=add, other=0.0, cache_modifier=".cg").to(tl.float32)
-    hs = act_ptr + _hs_off(H, FF, L)
-    h_in = tl.load(h_ptr + offs, mask=~add, other=0.0).to(tl.float32)
-    h_in += tl.load(hs + tl.maximum(slot - 1, 0) * H + ok + offs, mask=add, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)  # fmt: skip
-    w_a = tl.load(norm_ptr + (a_layer * 4 + tl.where(seg == 0, 3, 1)) * H + offs).to(tl.float32)
-    h = round_to(h_in + _rms(a, w_a, H, eps, tl.bfloat16, INTERPRETED), tl.bfloat16, INTERPRETED)
-    w_x = tl.load(norm_ptr + (layer * 4 + tl.where(seg == 0, 0, 2)) * H + offs).to(tl.float32)
-    x = _rms(h.to(tl.float32), w_x, H, eps, tl.bfloat16, INTERPRETED)
-    tl.store(dst_ptr + offs, x.to(tl.bfloat16))
-    if writer:
-        tl.store(hs + slot * H + offs, h.to(tl.bfloat16))
-    return _cta_sync(ok, INTERPRETED)
-
-
-@triton.jit
-def _fold_out(act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, eps, ND: tl.constexpr, H: tl.constexpr,
-              FF: tl.constexpr, L: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    # ONE_ROW: the loop's output, once every down group of the last layer is in: the final norm's boundary.
-    ok = _wait(cnt_ptr + (L - 1) * _SLOTS + 6, ND, INTERPRETED)
-    last, seg = tl.full([], L, tl.int32), tl.full([], 0, tl.int32)  # tensors, as the walk's
-    _fold(act_ptr, norm_ptr, h_ptr, out_ptr, last, seg, False, ok, eps, H, FF, L, INTERPRETED)
-
-
-@triton.jit
-def _cta_sync(after, INTERPRETED: tl.constexpr):
-    # A CTA barrier after `after` is computed (inline asm: tl.debug_barrier in the streamers' loop would stop
-    # its pipelining); returns 0.
-    if INTERPRETED:
-        return 0
-    return tl.inline_asm_elementwise("bar.sync 0;\n mov.u32 $0, 0;", "=r,r", [after], dtype=tl.int32,
-                                     is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _hs_off(H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr):
-    # ONE_ROW's scratch after the regions: h slots [2L + 1, H], then each streamer's x [G, H].
-    return L * RP * (8 * H + 2 * FF)
 
 
 @triton.jit
@@ -316,23 +259,16 @@ def _in_slot(seg):
 
 
 @triton.jit
-def _in_wait(cnt_ptr, layer, seg, N, rows, NKV: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr,
-             ND: tl.constexpr, ONE_ROW: tl.constexpr):  # fmt: skip
-    # The counter a matrix's first tile waits for and its final count. ONE_ROW folds the norms into the
-    # streamers (_fold): qkv waits for the layer before's down groups (layer 0: nothing), gate_up for o_proj's.
-    slot = layer * _SLOTS + _in_slot(seg)
-    target = tl.where(seg == 0, N, tl.where(seg == 1, rows * NKV, tl.where(seg == 2, N, NGU)))
-    if ONE_ROW:
-        slot = tl.where(seg == 0, tl.maximum(layer - 1, 0) * _SLOTS + 6, tl.where(seg == 2, slot - 1, slot))
-        target = tl.where(seg == 0, tl.where(layer > 0, ND, 0), tl.where(seg == 2, NO, target))
-    return cnt_ptr + slot, target
+def _target(seg, N, rows, NKV: tl.constexpr, NGU: tl.constexpr):
+    # What a matrix's first tile waits for: its input counter's final count.
+    return tl.where(seg == 0, N, tl.where(seg == 1, rows * NKV, tl.where(seg == 2, N, NGU)))
 
 
 @triton.jit
 def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr, NKV: tl.constexpr,
             BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr,
-            ONE_ROW: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG, norm_ptr, h_ptr, eps,
+            ONE_ROW: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG,
             INTERPRETED: tl.constexpr):  # fmt: skip
     # Streamer c's walk; SERIAL: only its tiles of (LAYER, SEG), every activation loaded when used.
     NCB: tl.constexpr = H // (TPI * BC)
@@ -354,7 +290,6 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
     if SERIAL:
         lo = LAYER * P + tl.where(SEG == 0, 0, tl.where(SEG == 1, e1, tl.where(SEG == 2, e2, e3)))
         hi = LAYER * P + tl.where(SEG == 0, e1, tl.where(SEG == 1, e2, tl.where(SEG == 2, e3, P)))
-    xs = _hs_off(H, FF, L) + (2 * L + 1 + c) * H  # ONE_ROW: this streamer's normed x
     acc = tl.zeros([BR, RP], tl.float32)
     acc_r = tl.zeros([BR, BC], tl.float32)  # ONE_ROW: products summed elementwise across a group's tiles
     for i in tl.range(lo, hi, num_stages=STAGES):
@@ -364,12 +299,9 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
         # TPI [BR, BC] tiles an iteration: one activation round trip (L2) per TPI * BC columns.
         # Only a matrix's first tile polls: the later ones need nothing more. Within a matrix nothing
         # is loaded ahead: a streamer's own outputs may be what the next matrix waits for.
-        in_ptr, target = _in_wait(cnt_ptr, layer, seg, N, rows, NKV, NO, NGU, ND, ONE_ROW)
-        ok = _wait(in_ptr, tl.where((s == 0) & (not FREE), target, 0), INTERPRETED)
+        tgt = tl.where((s == 0) & (not FREE), _target(seg, N, rows, NKV, NGU), 0)
+        ok = _wait(cnt_ptr + layer * _SLOTS + _in_slot(seg), tgt, INTERPRETED)
         if ONE_ROW:
-            if (s == 0) & (seg % 2 == 0):  # before qkv and gate_up: the norms, then x is the streamer's own
-                ok = _fold(act_ptr, norm_ptr, h_ptr, act_ptr + xs, layer, seg, c == G - 1, ok, eps, H, FF, L,
-                           INTERPRETED)  # fmt: skip
             # One token: products on CUDA cores, summed across threads once a group, not once a tile.
             acc_r = tl.where(b == 0, 0.0, acc_r)
             for t in tl.static_range(TPI):
@@ -378,7 +310,7 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
                     acc_r += w
                 else:
                     offs_k = kcol + t * BC + tl.arange(0, BC)
-                    x = _x_chunk(act_ptr, layer, seg, offs_k, ok, xs, H, FF, L, INTERPRETED)
+                    x = _x_chunk(act_ptr, layer, seg, offs_k, ok, H, FF, L, INTERPRETED)
                     acc_r += w * x.to(tl.float32)[None, :]
         else:
             acc = tl.where(b == 0, 0.0, acc)
@@ -572,9 +504,7 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
                 HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, ONE_ROW, S, PKV, INTERPRETED)  # fmt: skip
     elif pid < G:
         _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI,
-                FREE, ONE_ROW, False, 0, 0, norm_ptr, h_ptr, eps, INTERPRETED)  # fmt: skip
-        if ONE_ROW and (pid == G - 1) and not FREE:
-            _fold_out(act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, eps, ND, H, FF, L, INTERPRETED)
+                FREE, ONE_ROW, False, 0, 0, INTERPRETED)  # fmt: skip
     elif FREE:  # timing of the streamers' walk alone: no worker runs, no streamer waits
         pass
     elif pid < G + rows * NKV * S:
@@ -594,15 +524,14 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
 
 
 @triton.jit
-def _stream_all(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, eps, G, N, rows, layer, seg, H: tl.constexpr,
-                FF: tl.constexpr,
+def _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, seg, H: tl.constexpr, FF: tl.constexpr,
                 L: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
                 NKV: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr,
                 ONE_ROW: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every streamer's tiles of one matrix of one layer, streamer by streamer (the serial form).
     for c in range(G):
         _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, False,
-                ONE_ROW, True, layer, seg, norm_ptr, h_ptr, eps, INTERPRETED)  # fmt: skip
+                ONE_ROW, True, layer, seg, INTERPRETED)  # fmt: skip
 
 
 @triton.jit
@@ -614,38 +543,34 @@ def _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, 
             BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, ONE_ROW: tl.constexpr, S: tl.constexpr,
             PKV: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every role in dependency order, in one program (the interpreter runs programs one at a time).
-    # The residual streams live in the out rows between steps (out is written last by the final norm);
-    # ONE_ROW has no norm worker (_fold).
-    NORMS: tl.constexpr = not ONE_ROW
-    for tok in range(N if NORMS else 0):
+    # The residual streams live in the out rows between steps (out is written last by the final norm).
+    for tok in range(N):
         h = _norm_first(act_ptr, cnt_ptr, norm_ptr, h_ptr, tok, eps, H, INTERPRETED)
         tl.store(out_ptr + tok * H + tl.arange(0, H), h)
     for layer in range(L):
-        _stream_all(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, eps, G, N, rows, layer, 0, H, FF, L, NQ, NO, NGU,
-                    ND, NKV, BC, STAGES, TPI, ONE_ROW, INTERPRETED)  # fmt: skip
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 0, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for w in range(rows * NKV * S):
             _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr,
                     q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer,
                     num_pos, scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ,
                     NKV, HEAD_DIM, PAGE, BLOCK_N, S, PKV, INTERPRETED)  # fmt: skip
-        _stream_all(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, eps, G, N, rows, layer, 1, H, FF, L, NQ, NO, NGU,
-                    ND, NKV, BC, STAGES, TPI, ONE_ROW, INTERPRETED)  # fmt: skip
-        for tok in range(N if NORMS else 0):
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 1, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
+        for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, INTERPRETED)
             tl.store(out_ptr + tok * H + tl.arange(0, H), h)
-        _stream_all(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, eps, G, N, rows, layer, 2, H, FF, L, NQ, NO, NGU,
-                    ND, NKV, BC, STAGES, TPI, ONE_ROW, INTERPRETED)  # fmt: skip
-        _stream_all(desc, act_ptr, cnt_ptr, norm_ptr, h_ptr, eps, G, N, rows, layer, 3, H, FF, L, NQ, NO, NGU,
-                    ND, NKV, BC, STAGES, TPI, ONE_ROW, INTERPRETED)  # fmt: skip
-        for tok in range(N if NORMS else 0):
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 2, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
+        _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 3, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
+        for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L,
                                 INTERPRETED)  # fmt: skip
             if layer + 1 < L:
                 tl.store(out_ptr + tok * H + tl.arange(0, H), h)
-    if ONE_ROW:
-        _fold_out(act_ptr, cnt_ptr, norm_ptr, h_ptr, out_ptr, eps, ND, H, FF, L, INTERPRETED)
 
 
 def pack_weights(model) -> tuple[torch.Tensor, torch.Tensor]:
@@ -724,8 +649,7 @@ class DataflowLoop:
             streamers = 1 if dev.type != "cuda" else _streamers(dev)
         self.streamers = streamers
         per_layer = PAD_TOKENS * (8 * self.h + 2 * self.inter)
-        folded = (2 * self.layers + 1 + streamers) * self.h  # one_row: h slots and each streamer's x (_fold)
-        self.act = torch.zeros(self.layers * per_layer + folded, dtype=self.weights.dtype, device=dev)
+        self.act = torch.zeros(self.layers * per_layer, dtype=self.weights.dtype, device=dev)
         # Per layer: SLOTS counters; then per layer, row and KV head a ticket of the attention slices.
         kv = cfg.num_key_value_heads
         self.counters = torch.zeros(self.layers * (SLOTS + MAX_ROWS * kv), dtype=torch.int32, device=dev)
@@ -752,8 +676,7 @@ class DataflowLoop:
         serial = interpreting()
         one_row = n == 1 and self.one_row
         kc, vc = kv_cache[0], kv_cache[1]
-        norm_workers = 0 if one_row else n  # one_row: the streamers run the norms themselves
-        grid = (1,) if serial else (self.streamers + rows * self.cfg.num_key_value_heads * self.splits + norm_workers,)
+        grid = (1,) if serial else (self.streamers + rows * self.cfg.num_key_value_heads * self.splits + n,)
         args = (
             self.desc, self.act, self.counters, self.partials, self.norms, h, out, kc, vc, batch.slot_mapping,
             batch.positions, cos_sin, batch.block_tables, batch.row_q_start, batch.row_len, batch.row_tok_off,
