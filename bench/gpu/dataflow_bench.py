@@ -62,7 +62,12 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             for spec, loop in loops.items():
                 got_cache = cache.clone()
-                got = loop(h, got_cache, attn.cos_sin, batch, page)
+                try:
+                    got = loop(h, got_cache, attn.cos_sin, batch, page)
+                except RuntimeError as e:  # e.g. a grid that cannot be resident: report it, go on
+                    failed = {"rows": rows, "path": "dataflow", "config": spec, "error": str(e)}
+                    print(json.dumps(failed), flush=True)
+                    continue
                 torch.cuda.synchronize()
                 k = loop.kernel
                 kv_diff = got_cache.float() - attn.kv_cache.float()
