@@ -231,13 +231,13 @@ def _resident_tma_kernel(d0, d1, d2, d3, r0, r1, r2, r3, L, out_ptr, bar_ptr, BR
     tl.store(out_ptr + pid, total)
 
 
-def run_tma(mats, sizes, layers: int, out, layer_bytes: int, sms: int, modes) -> None:
+def run_tma(mats, sizes, layers: int, out, layer_bytes: int, sms: int, modes, block_rows=(32, 64)) -> None:
     """`modes` on TMA block loads: matrices viewed as [layers * n / BC, BC], blocks of BR rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
     bc = 256
     rows = [n // bc for n in sizes]
-    for br in (32, 64):
+    for br in block_rows:
         descs = [TensorDescriptor.from_tensor(m.view(-1, bc), [br, bc]) for m in mats]
         for stages in (3, 4):
             for ctas in (1, 2):
@@ -304,6 +304,7 @@ def main() -> None:
     ap.add_argument("--tma-only", action="store_true")
     ap.add_argument("--continuous-only", action="store_true", help="continuous mode only, pointer and TMA")
     ap.add_argument("--prefetch-only", action="store_true", help="the prefetch modes only")
+    ap.add_argument("--tma-rows", type=int, nargs="+", default=[32, 64], help="TMA block heights (x 256)")
     args = ap.parse_args()
     modes = ("continuous",) if args.continuous_only else ("separate", "resident", "continuous")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -316,7 +317,7 @@ def main() -> None:
         run_prefetch(mats, sizes, args.layers, out, layer_bytes, sms)
         return
     if args.tma or args.tma_only or args.continuous_only:
-        run_tma(mats, sizes, args.layers, out, layer_bytes, sms, modes)
+        run_tma(mats, sizes, args.layers, out, layer_bytes, sms, modes, args.tma_rows)
     if args.tma_only:
         return
     if "separate" in modes:
