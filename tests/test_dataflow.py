@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from ouro_fast.core_py.block_table import BlockTable  # noqa: E402
-from ouro_fast.kernels.dataflow import DataflowLoop, pack_weights, supported, tile_major_layout  # noqa: E402
+from ouro_fast.kernels.dataflow import DataflowLoop, pack_weights, supported  # noqa: E402
 from ouro_fast.model.config import OuroConfig  # noqa: E402
 from ouro_fast.model.fast_loop import run_loop_fused  # noqa: E402
 from ouro_fast.model.ouro import OuroForCausalLM  # noqa: E402
@@ -62,12 +62,11 @@ def decode_batch(rows, bt):
 # One token runs the ONE_ROW path (products on CUDA cores) unless one_row is off. With splits > 1 each
 # head's context is cut into slices of 4 positions (block_n 4), merged by the last slice to arrive.
 @pytest.mark.parametrize(
-    "streamers, tiles, tokens, one_row, splits, tile_major",
-    [(1, 2, 4, True, 1, True), (3, 2, 4, True, 3, True), (3, 4, 4, True, 1, True), (3, 2, 1, True, 1, True),
-     (2, 4, 1, True, 4, True), (3, 2, 1, False, 2, True), (3, 2, 1, True, 2, False),
-     (3, 4, 4, False, 1, False)],
+    "streamers, tiles, tokens, one_row, splits",
+    [(1, 2, 4, True, 1), (3, 2, 4, True, 3), (3, 4, 4, True, 1), (3, 2, 1, True, 1), (2, 4, 1, True, 4),
+     (3, 2, 1, False, 2)],
 )  # fmt: skip
-def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row, splits, tile_major):
+def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row, splits):
     model = make_model()
     bt = BlockTable(64, PAGE, 4, 3, 6)
     for slot in range(3):
@@ -83,7 +82,7 @@ def test_dataflow_loop_matches_run_loop_fused(streamers, tiles, tokens, one_row,
         DEV, torch.bfloat16
     )
     loop = DataflowLoop(model, streamers=streamers, tiles=tiles, one_row=one_row, splits=splits,
-                        block_n=4 if splits > 1 else 64, tile_major=tile_major)  # fmt: skip
+                        block_n=4 if splits > 1 else 64)  # fmt: skip
     got_cache = cache.clone()
     with torch.no_grad():
         expect = run_loop_fused(model, h.clone(), attn)
@@ -122,16 +121,6 @@ def test_layer_offsets_past_2_31_elements():
         expect = run_loop_fused(model, h.clone(), attn)
     torch.testing.assert_close(got, expect, atol=0.05, rtol=0.02)
     torch.testing.assert_close(written, cache[:, :, batch.slot_mapping], atol=0.05, rtol=0.02)
-
-
-def test_tile_major_layout():
-    w = torch.arange(64 * 24).view(64, 24)  # 4 groups of 16 rows, 3 tiles of 8 columns
-    t = tile_major_layout(w, 16, 8)
-    assert t.shape == (64 * 3, 8)
-    for g in range(4):
-        for k in range(3):  # group g's tile k: rows (3g + k) * 16 .. + 16
-            tile = t[(3 * g + k) * 16 : (3 * g + k + 1) * 16]
-            assert torch.equal(tile, w[16 * g : 16 * g + 16, 8 * k : 8 * k + 8])
 
 
 def test_pack_weights_layout():

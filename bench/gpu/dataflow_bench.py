@@ -31,7 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
-    config_help = "streamers:tiles an iteration:stages[:free][:row][:rm]"
+    config_help = "streamers:tiles an iteration:stages[:free][:row]"
     ap.add_argument("--configs", nargs="+", default=["256:4:2:row"], help=config_help)
     ap.add_argument("--block-n", type=int, default=16, help="attention workers' context block")
     ap.add_argument("--splits", type=int, default=8, help="attention slices per (row, KV head)")
@@ -43,11 +43,10 @@ def main() -> None:
     cfg, page, max_blocks = model.config, 16, 64
     loops = {}
     for spec in args.configs:
-        # Flags after the numbers: "free", the walk alone (no waits, no workers); "row", one_row at 1 token;
-        # "rm", the weights row-major (default: tile-major).
+        # Flags after the numbers: "free", the walk alone (no waits, no workers); "row", one_row at 1 token.
         g, t, s, *flags = spec.split(":")
         loops[spec] = DataflowLoop(model, streamers=int(g), tiles=int(t), stages=int(s), free="free" in flags,
-                                   one_row="row" in flags, tile_major="rm" not in flags, block_n=args.block_n,
+                                   one_row="row" in flags, block_n=args.block_n,
                                    splits=args.splits, prefetch_kv=bool(args.prefetch_kv))  # fmt: skip
     for rows in args.rows:
         shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)

@@ -164,15 +164,6 @@ def _coords(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H: tl.constexpr, RPL: tl.c
 
 
 @triton.jit
-def _tile_at(w_row, w_col, TM: tl.constexpr, H: tl.constexpr, BC: tl.constexpr):
-    # The descriptor coordinates of the [BR, BC] tile at weight row w_row (group-aligned), column w_col.
-    # TM: tiles stored tile-major, a group's H // BC tiles one contiguous run ([rows * H // BC, BC]).
-    if TM:
-        return [(w_row // BR) * (BR * (H // BC)) + (w_col // BC) * BR, 0]
-    return [w_row, w_col]
-
-
-@triton.jit
 def _x_region(seg):
     # The scratch region a matrix reads its activation from: xq, attention out, xm, gate_up out.
     return tl.where(seg == 0, 0, tl.where(seg == 1, 2, tl.where(seg == 2, 4, 5)))
@@ -276,7 +267,7 @@ def _target(seg, N, rows, NKV: tl.constexpr, NGU: tl.constexpr):
 @triton.jit
 def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr,
             NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr, NKV: tl.constexpr,
-            BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, TM: tl.constexpr, FREE: tl.constexpr,
+            BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr,
             ONE_ROW: tl.constexpr, SERIAL: tl.constexpr, LAYER, SEG,
             INTERPRETED: tl.constexpr):  # fmt: skip
     # Streamer c's walk; SERIAL: only its tiles of (LAYER, SEG), every activation loaded when used.
@@ -314,7 +305,7 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
             # One token: products on CUDA cores, summed across threads once a group, not once a tile.
             acc_r = tl.where(b == 0, 0.0, acc_r)
             for t in tl.static_range(TPI):
-                w = desc.load(_tile_at(w_row, w_col + t * BC, TM, H, BC)).to(tl.float32)
+                w = desc.load([w_row, w_col + t * BC]).to(tl.float32)
                 if _NOX:
                     acc_r += w
                 else:
@@ -324,7 +315,7 @@ def _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H: tl.constexpr, FF: tl.const
         else:
             acc = tl.where(b == 0, 0.0, acc)
             for t in tl.static_range(TPI):
-                w = desc.load(_tile_at(w_row, w_col + t * BC, TM, H, BC))
+                w = desc.load([w_row, w_col + t * BC])
                 x = _x_tile(act_ptr, layer, seg, kcol + t * BC, N, ok, H, FF, L, BC, INTERPRETED)
                 acc = _dot(w, x, acc, "ieee", INTERPRETED)
         if (b == bpg - 1) and (not _NOSTORE):
@@ -498,8 +489,7 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
                      scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt,
                      H: tl.constexpr, FF: tl.constexpr, L: tl.constexpr, NKV: tl.constexpr,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BC: tl.constexpr,
-                     STAGES: tl.constexpr, TPI: tl.constexpr, TM: tl.constexpr, FREE: tl.constexpr,
-                     ONE_ROW: tl.constexpr,
+                     STAGES: tl.constexpr, TPI: tl.constexpr, FREE: tl.constexpr, ONE_ROW: tl.constexpr,
                      S: tl.constexpr, PKV: tl.constexpr, SERIAL: tl.constexpr,
                      INTERPRETED: tl.constexpr):  # fmt: skip
     NQ: tl.constexpr = 3 * H // BR
@@ -511,10 +501,10 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
         _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr,
                 table_ptr, bt_ptr, q_start_ptr, len_ptr, tok_off_ptr, G, N, rows, eps, num_pos, scale_log2,
                 stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NKV, NQ, NO, NGU, ND,
-                HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, TM, ONE_ROW, S, PKV, INTERPRETED)  # fmt: skip
+                HEAD_DIM, PAGE, BLOCK_N, BC, STAGES, TPI, ONE_ROW, S, PKV, INTERPRETED)  # fmt: skip
     elif pid < G:
         _stream(desc, act_ptr, cnt_ptr, pid, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI,
-                TM, FREE, ONE_ROW, False, 0, 0, INTERPRETED)  # fmt: skip
+                FREE, ONE_ROW, False, 0, 0, INTERPRETED)  # fmt: skip
     elif FREE:  # timing of the streamers' walk alone: no worker runs, no streamer waits
         pass
     elif pid < G + rows * NKV * S:
@@ -537,11 +527,11 @@ def _dataflow_kernel(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr,
 def _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, seg, H: tl.constexpr, FF: tl.constexpr,
                 L: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr, ND: tl.constexpr,
                 NKV: tl.constexpr, BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr,
-                TM: tl.constexpr, ONE_ROW: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+                ONE_ROW: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every streamer's tiles of one matrix of one layer, streamer by streamer (the serial form).
     for c in range(G):
-        _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, TM,
-                False, ONE_ROW, True, layer, seg, INTERPRETED)  # fmt: skip
+        _stream(desc, act_ptr, cnt_ptr, c, G, N, rows, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES, TPI, False,
+                ONE_ROW, True, layer, seg, INTERPRETED)  # fmt: skip
 
 
 @triton.jit
@@ -550,9 +540,8 @@ def _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, 
             stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H: tl.constexpr, FF: tl.constexpr,
             L: tl.constexpr, NKV: tl.constexpr, NQ: tl.constexpr, NO: tl.constexpr, NGU: tl.constexpr,
             ND: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-            BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, TM: tl.constexpr,
-            ONE_ROW: tl.constexpr, S: tl.constexpr, PKV: tl.constexpr,
-            INTERPRETED: tl.constexpr):  # fmt: skip
+            BC: tl.constexpr, STAGES: tl.constexpr, TPI: tl.constexpr, ONE_ROW: tl.constexpr, S: tl.constexpr,
+            PKV: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     # Every role in dependency order, in one program (the interpreter runs programs one at a time).
     # The residual streams live in the out rows between steps (out is written last by the final norm).
     for tok in range(N):
@@ -560,22 +549,22 @@ def _serial(desc, act_ptr, cnt_ptr, part_ptr, norm_ptr, h_ptr, out_ptr, kc_ptr, 
         tl.store(out_ptr + tok * H + tl.arange(0, H), h)
     for layer in range(L):
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 0, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, TM, ONE_ROW, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for w in range(rows * NKV * S):
             _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table_ptr, bt_ptr,
                     q_start_ptr, len_ptr, tok_off_ptr, w // (NKV * S), (w // S) % NKV, w % S, layer,
                     num_pos, scale_log2, stride_kl, stride_kcs, stride_kch, stride_t, stride_bt, H, FF, L, NQ,
                     NKV, HEAD_DIM, PAGE, BLOCK_N, S, PKV, INTERPRETED)  # fmt: skip
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 1, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, TM, ONE_ROW, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_mid(act_ptr, cnt_ptr, norm_ptr, h, tok, layer, eps, NO, H, FF, L, INTERPRETED)
             tl.store(out_ptr + tok * H + tl.arange(0, H), h)
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 2, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, TM, ONE_ROW, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         _stream_all(desc, act_ptr, cnt_ptr, G, N, rows, layer, 3, H, FF, L, NQ, NO, NGU, ND, NKV, BC, STAGES,
-                    TPI, TM, ONE_ROW, INTERPRETED)  # fmt: skip
+                    TPI, ONE_ROW, INTERPRETED)  # fmt: skip
         for tok in range(N):
             h = tl.load(out_ptr + tok * H + tl.arange(0, H)).to(tl.float32)
             h = _norm_layer_end(act_ptr, cnt_ptr, norm_ptr, out_ptr, h, tok, layer, eps, ND, H, FF, L,
@@ -606,12 +595,6 @@ def pack_weights(model) -> tuple[torch.Tensor, torch.Tensor]:
                   layer.post_attention_layernorm.weight, layer.post_attention_layernorm_2.weight]  # fmt: skip
     norms.append(model.model.norm.weight)
     return torch.cat(rows).contiguous(), torch.stack(norms).contiguous()
-
-
-def tile_major_layout(w: torch.Tensor, rows: int, bc: int) -> torch.Tensor:
-    """[R, H] -> [R * H // bc, bc]: row group by row group, each [rows, bc] tile contiguous, left to right."""
-    r, h = w.shape
-    return w.view(r // rows, rows, h // bc, bc).transpose(1, 2).reshape(r * h // bc, bc).contiguous()
 
 
 def supported(cfg) -> str | None:
@@ -647,7 +630,6 @@ class DataflowLoop:
         one_row: bool = True,
         splits: int = 8,
         prefetch_kv: bool = True,
-        tile_major: bool = True,
     ):
         cfg = model.config
         why = supported(cfg)
@@ -657,10 +639,6 @@ class DataflowLoop:
         self.h, self.inter, self.layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
         self.bc = min(256, self.h // tiles)
         self.weights, self.norms = pack_weights(model)
-        # Tile-major: each [16, bc] tile one contiguous 8 KB run, a row group's tiles one after another.
-        self.tile_major = tile_major
-        if tile_major:
-            self.weights = tile_major_layout(self.weights, ROWS_PER_GROUP, self.bc)
         self.tpi = tiles
         self.free = free  # benchmarks only: no waits and no workers (wrong results; the walk's own speed)
         # One token: products on CUDA cores, summed across threads once per row group.
@@ -708,8 +686,7 @@ class DataflowLoop:
         meta = dict(
             H=self.h, FF=self.inter, L=self.layers, NKV=self.cfg.num_key_value_heads,
             HEAD_DIM=self.cfg.head_dim, PAGE=block_size, BLOCK_N=self.block_n, BC=self.bc, STAGES=self.stages,
-            TPI=self.tpi, TM=self.tile_major, FREE=self.free, ONE_ROW=one_row, S=self.splits,
-            PKV=self.prefetch_kv, SERIAL=serial,
+            TPI=self.tpi, FREE=self.free, ONE_ROW=one_row, S=self.splits, PKV=self.prefetch_kv, SERIAL=serial,
             INTERPRETED=serial, num_warps=_WARPS, num_stages=1,
         )  # fmt: skip
         if not serial:
