@@ -75,8 +75,6 @@ _NOSTORE = tl.constexpr(os.environ.get("DF_NOSTORE", "0") == "1")
 _NOATT = tl.constexpr(os.environ.get("DF_NOATT", "0") == "1")
 _NONORM = tl.constexpr(os.environ.get("DF_NONORM", "0") == "1")
 _WARPS = int(os.environ.get("DF_WARPS", "4"))
-# DF_XCACHE: the cache modifier of ONE_ROW's activation loads (".cg", L2 only; ".ca" through L1 too).
-_XC = tl.constexpr(os.environ.get("DF_XCACHE", ".cg"))
 
 
 @triton.jit
@@ -202,11 +200,11 @@ def _x_chunk(act_ptr, layer, seg, offs_k, ok, H: tl.constexpr, FF: tl.constexpr,
     base = act_ptr + _region_off(_x_region(seg), H, FF, L) + ok + layer * RP * tl.where(seg == 3, 2 * FF, H)
     if seg == 3:
         col = 16 * (offs_k // 8) + offs_k % 8
-        gate = tl.load(base + col, mask=k_ok, other=0.0, cache_modifier=_XC).to(tl.float32)
-        up = tl.load(base + col + 8, mask=k_ok, other=0.0, cache_modifier=_XC).to(tl.float32)
+        gate = tl.load(base + col, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        up = tl.load(base + col + 8, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         x = silu_mul(gate, up, tl.bfloat16, INTERPRETED)
     else:
-        x = tl.load(base + offs_k, mask=k_ok, other=0.0, cache_modifier=_XC)
+        x = tl.load(base + offs_k, mask=k_ok, other=0.0, cache_modifier=".cg")
     return x
 
 
