@@ -75,7 +75,6 @@ _NOSTORE = tl.constexpr(os.environ.get("DF_NOSTORE", "0") == "1")
 _NOATT = tl.constexpr(os.environ.get("DF_NOATT", "0") == "1")
 _NONORM = tl.constexpr(os.environ.get("DF_NONORM", "0") == "1")
 _WARPS = int(os.environ.get("DF_WARPS", "4"))
-_MAXNREG = int(os.environ.get("DF_MAXNREG", "0"))  # DF_MAXNREG: a register limit for ptxas (0: none)
 
 
 @triton.jit
@@ -690,8 +689,6 @@ class DataflowLoop:
             TPI=self.tpi, FREE=self.free, ONE_ROW=one_row, S=self.splits, PKV=self.prefetch_kv, SERIAL=serial,
             INTERPRETED=serial, num_warps=_WARPS, num_stages=1,
         )  # fmt: skip
-        if _MAXNREG and not serial:
-            meta["maxnreg"] = _MAXNREG
         if not serial:
             self._check_resident(grid[0], _dataflow_kernel.warmup(*args, grid=grid, **meta))
         _dataflow_kernel[grid](*args, **meta)
