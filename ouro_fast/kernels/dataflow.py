@@ -39,8 +39,9 @@ run_loop_fused hands it one-token steps; served TPOT at concurrency 1 5.05 ms ag
 tests it matches run_loop_fused bit for bit under the interpreter and within bf16 rounding on the
 H200. One loop of the ouro-1.4b preset at 1 token takes 1.17 ms against run_loop_fused's 1.24 (the
 defaults; docs/benchmarks.md, "Eleventh session"; bench/gpu/dataflow_bench.py): the tile walk alone
-(FREE, timing only) 0.77 ms, the attention ~0.11-0.12 ms, the waits and norms the rest. At 8 tokens
-the dot path is still ~3.5x slower.
+(FREE, timing only) 0.77 ms, the attention ~0.11-0.12 ms, the waits and norms the rest. The walk is
+bound by each tile's activation load (L2, after the poll): without them it takes 0.63 ms with two
+buffers ("Thirteenth session"). At 8 tokens the dot path is still ~3.5x slower.
 """
 
 from __future__ import annotations
