@@ -22,7 +22,7 @@ Triton pipelines as bulk asynchronous copies (Hopper), instead of per-thread poi
 prefetch modes (pointer loads only: a TMA load is waited on right after issue, before the barrier).
 Prints one JSON line per setting.
 Usage: python3 bench/gpu/stream_bench.py [--layers 24] [--tma | --tma-only] [--continuous-only]
-       [--prefetch-only]
+       [--prefetch-only] [--tma-rows 32 64]
 """
 
 from __future__ import annotations
