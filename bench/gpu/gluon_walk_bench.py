@@ -1,0 +1,193 @@
+"""The dataflow loop's one-token tile walk written in Gluon: activations from shared memory or L2.
+
+The thirteenth session found the Triton walk (kernels/dataflow.py, FREE: no waits, no workers) bound by
+each tile's activation load from L2: 0.77 ms a loop with them, 0.63 without (docs/benchmarks.md). Triton's
+`tl` API cannot keep a shared buffer across iterations; Gluon can. This kernel walks the same bytes in the
+same order (256 streamers, each a share of every matrix's 16-row groups, [16, 256] TMA tiles in the packed
+row-major layout of dataflow.pack_weights) with an explicit ring of NBUF tile buffers and mbarriers, and
+multiplies each tile by its activation chunk:
+  XSMEM=1  the activation of a matrix is copied into shared memory once, at its first tile;
+  XSMEM=0  each tile loads its chunk from global memory (L2), as the Triton walk does.
+No waits between matrices (the activations are inputs), so the figures compare with the Triton walk
+alone (`dataflow_bench.py --configs 256:4:2:free:row`). Checks every matrix's output against torch
+(fp32 sums in another order: a tolerance), then prints one JSON line per setting.
+
+Prepared in the thirteenth session and compiled offline for sm_90 (triton 3.6); not yet run on a GPU.
+    python3 -P bench/gpu/gluon_walk_bench.py [--buffers 4 8] [--ctas-per-sm 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
+from replay_timing import capture, replay_ms  # noqa: E402
+
+TILE_ROWS, TILE_COLS = 16, 256  # a tile: one row group, 256 columns
+BR, BC = gl.constexpr(TILE_ROWS), gl.constexpr(TILE_COLS)
+
+
+@gluon.jit
+def _share(n, c, G):
+    lo = (c * n) // G
+    return lo, ((c + 1) * n) // G - lo
+
+
+@gluon.jit
+def _tile(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H: gl.constexpr, RPL: gl.constexpr, NCB: gl.constexpr,
+          DB: gl.constexpr):  # fmt: skip
+    # Tile i of a streamer's walk -> (layer, matrix, tile in the matrix's share, group, tile in group,
+    # tiles per group, weight row, weight column, activation column), as dataflow._coords.
+    layer = i // P
+    j = i - layer * P
+    seg = (j >= e1).to(gl.int32) + (j >= e2).to(gl.int32) + (j >= e3).to(gl.int32)
+    start = gl.where(seg == 0, 0, gl.where(seg == 1, e1, gl.where(seg == 2, e2, e3)))
+    s = j - start
+    bpg = gl.where(seg == 3, DB, NCB)
+    b = s % bpg
+    g = s // bpg + gl.where(seg == 0, q_lo, gl.where(seg == 1, o_lo, gl.where(seg == 2, u_lo, d_lo)))
+    kcol = b * BC
+    base = gl.where(seg == 0, 0, gl.where(seg == 1, 3 * H, gl.where(seg == 2, 4 * H, RPL - DB * BC)))
+    w_row = layer * RPL + base + g * BR + (kcol // H) * H
+    return layer, seg, s, g, b, bpg, w_row, kcol % H, kcol
+
+
+@gluon.jit
+def _walk_kernel(w_desc, x_ptr, y_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
+                 XMAX: gl.constexpr, YMAX: gl.constexpr, NBUF: gl.constexpr,
+                 XSMEM: gl.constexpr):  # fmt: skip
+    # x [L, 4, XMAX] bf16 (each matrix's activation, zero padded; XMAX // BC a power of two); y [L, 4, YMAX]
+    # fp32 (each matrix's outputs).
+    NCB: gl.constexpr = H // BC
+    DB: gl.constexpr = (((FF + H - 1) // H) * H) // BC  # down: chunks of H columns, stacked as rows
+    RPL: gl.constexpr = 4 * H + 2 * FF + DB * BC
+    TILE: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    XL: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])  # a chunk of the activation, copied in
+    c = gl.program_id(0)
+    q_lo, nq = _share(3 * H // BR, c, G)
+    o_lo, no = _share(H // BR, c, G)
+    u_lo, nu = _share(2 * FF // BR, c, G)
+    d_lo, nd = _share(H // BR, c, G)
+    e1 = nq * NCB
+    e2 = e1 + no * NCB
+    e3 = e2 + nu * NCB
+    P = e3 + nd * DB
+    T = L * P
+
+    ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, BR, BC], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(NBUF):
+        mbarrier.init(bars.index(k), count=1)
+    x_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [XMAX // BC, BC], x_layout)
+    for k in gl.static_range(NBUF - 1):  # the ring's first tiles
+        _, _, _, _, _, _, r, col, _ = _tile(k, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, NCB, DB)
+        mbarrier.expect(bars.index(k), w_desc.block_type.nbytes, pred=k < T)
+        tma.async_copy_global_to_shared(w_desc, [r, col], bars.index(k), ring.index(k), pred=k < T)
+
+    acc = gl.zeros([BR, BC], gl.float32, TILE)
+    offs_r = gl.arange(0, BR, layout=gl.SliceLayout(1, TILE))
+    offs_c = gl.arange(0, BC, layout=gl.SliceLayout(0, TILE))
+    offs_xc = gl.arange(0, BC, layout=XL)
+    for i in range(T):
+        # Every warp is done with tile i - 1's buffer (and the activation): refill it, NBUF - 1 tiles ahead.
+        gl.thread_barrier()
+        fence_async_shared()
+        j = i + NBUF - 1
+        _, _, _, _, _, _, r, col, _ = _tile(j, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, NCB, DB)
+        mbarrier.expect(bars.index(j % NBUF), w_desc.block_type.nbytes, pred=j < T)
+        tma.async_copy_global_to_shared(w_desc, [r, col], bars.index(j % NBUF), ring.index(j % NBUF),
+                                        pred=j < T)  # fmt: skip
+        tile = _tile(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, NCB, DB)
+        layer, seg, s, g, b, bpg, _, _, kcol = tile
+        x_row = x_ptr + (layer * 4 + seg) * XMAX
+        if XSMEM:
+            if s == 0:  # a new matrix: its whole activation into shared memory, once
+                for k in gl.static_range(XMAX // BC):
+                    x_smem.index(k).store(gl.load(x_row + k * BC + offs_xc))
+                gl.thread_barrier()
+            xc = x_smem.index(kcol // BC).load(gl.SliceLayout(0, TILE)).to(gl.float32)
+        else:
+            xc = gl.load(x_row + kcol + offs_c, cache_modifier=".cg").to(gl.float32)
+        mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
+        w = ring.index(i % NBUF).load(TILE).to(gl.float32)
+        acc = gl.where(b == 0, 0.0, acc) + w * xc[None, :]
+        if b == bpg - 1:
+            gl.store(y_ptr + (layer * 4 + seg) * YMAX + g * BR + offs_r, gl.sum(acc, axis=1))
+    for k in gl.static_range(NBUF):
+        mbarrier.invalidate(bars.index(k))
+
+
+def packed_rows(h: int, ff: int) -> tuple[int, int]:
+    """Rows a layer takes in the packed layout, and the down chunks (dataflow.pack_weights)."""
+    chunks = -(-ff // h)
+    return 4 * h + 2 * ff + chunks * h, chunks
+
+
+def reference(w: torch.Tensor, x: torch.Tensor, h: int, ff: int, layers: int) -> torch.Tensor:
+    """y [L, 4, YMAX] fp32 by torch: each matrix's rows times its activation (down summed over chunks)."""
+    rpl, chunks = packed_rows(h, ff)
+    y = torch.zeros(layers, 4, max(3 * h, 2 * ff), device=w.device)
+    for layer in range(layers):
+        lw = w[layer * rpl : (layer + 1) * rpl].float()
+        parts = (lw[: 3 * h], lw[3 * h : 4 * h], lw[4 * h : 4 * h + 2 * ff])
+        for seg, part in enumerate(parts):
+            y[layer, seg, : part.shape[0]] = part @ x[layer, seg, :h].float()
+        down = lw[4 * h + 2 * ff :].view(chunks, h, h)
+        xd = x[layer, 3, : chunks * h].float().view(chunks, h)
+        y[layer, 3, :h] = torch.einsum("crk,ck->r", down, xd)
+    return y
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--buffers", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--ctas-per-sm", type=int, default=2)
+    ap.add_argument("--replays", type=int, default=50)
+    args = ap.parse_args()
+    h, ff, layers = args.hidden, args.intermediate, args.layers
+    rpl, chunks = packed_rows(h, ff)
+    w = (torch.randn(layers * rpl, h, device="cuda") * 0.02).to(torch.bfloat16)
+    xmax = TILE_COLS * triton.next_power_of_2(chunks * h // TILE_COLS)  # a power of two of chunks
+    ymax = max(3 * h, 2 * ff)
+    x = torch.zeros(layers, 4, xmax, device="cuda", dtype=torch.bfloat16)
+    x[:, :3, :h] = torch.randn(layers, 3, h, device="cuda").to(torch.bfloat16)
+    x[:, 3, :ff] = torch.randn(layers, ff, device="cuda").to(torch.bfloat16)
+    expect = reference(w, x, h, ff, layers)
+    block = [TILE_ROWS, TILE_COLS]
+    desc = TensorDescriptor.from_tensor(w, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+    streamers = torch.cuda.get_device_properties(0).multi_processor_count * args.ctas_per_sm
+    y = torch.zeros(layers, 4, ymax, device="cuda")
+    for nbuf in args.buffers:
+        for xsmem in (True, False):
+
+            def walk(nbuf=nbuf, xsmem=xsmem):
+                _walk_kernel[(streamers,)](desc, x, y, streamers, H=h, FF=ff, L=layers, XMAX=xmax, YMAX=ymax,
+                                           NBUF=nbuf, XSMEM=xsmem, num_warps=4)  # fmt: skip
+
+            y.zero_()
+            walk()
+            torch.cuda.synchronize()
+            err = float((y - expect).abs().max())
+            ms = replay_ms(capture(walk), args.replays)
+            row = {"buffers": nbuf, "x_in_smem": xsmem, "streamers": streamers, "ms": round(ms, 4),
+                   "tb_s": round(w.numel() * 2 / ms / 1e9, 3), "max_err": err,
+                   "max_ref": float(expect.abs().max())}  # fmt: skip
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
