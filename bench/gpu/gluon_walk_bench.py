@@ -13,7 +13,7 @@ alone (`dataflow_bench.py --configs 256:4:2:free:row`). Checks every matrix's ou
 (fp32 sums in another order: a tolerance), then prints one JSON line per setting.
 
 Prepared in the thirteenth session and compiled offline for sm_90 (triton 3.6); not yet run on a GPU.
-    python3 -P bench/gpu/gluon_walk_bench.py [--buffers 4 8] [--ctas-per-sm 2]
+    python3 -P bench/gpu/gluon_walk_bench.py [--buffers 4 8] [--refill 1 2 4] [--ctas-per-sm 2]
 """
 
 from __future__ import annotations
@@ -64,10 +64,11 @@ def _tile(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H: gl.constexpr, RPL: gl.con
 
 @gluon.jit
 def _walk_kernel(w_desc, x_ptr, y_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
-                 XMAX: gl.constexpr, YMAX: gl.constexpr, NBUF: gl.constexpr,
+                 XMAX: gl.constexpr, YMAX: gl.constexpr, NBUF: gl.constexpr, REFILL: gl.constexpr,
                  XSMEM: gl.constexpr):  # fmt: skip
     # x [L, 4, XMAX] bf16 (each matrix's activation, zero padded; XMAX // BC a power of two); y [L, 4, YMAX]
-    # fp32 (each matrix's outputs).
+    # fp32 (each matrix's outputs). The ring is refilled REFILL tiles at a time (REFILL divides NBUF), after
+    # one CTA barrier: the buffers of the REFILL tiles just consumed.
     NCB: gl.constexpr = H // BC
     DB: gl.constexpr = (((FF + H - 1) // H) * H) // BC  # down: chunks of H columns, stacked as rows
     RPL: gl.constexpr = 4 * H + 2 * FF + DB * BC
@@ -90,7 +91,7 @@ def _walk_kernel(w_desc, x_ptr, y_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: 
         mbarrier.init(bars.index(k), count=1)
     x_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [XMAX // BC, BC], x_layout)
-    for k in gl.static_range(NBUF - 1):  # the ring's first tiles
+    for k in gl.static_range(NBUF - REFILL):  # the ring's first tiles
         _, _, _, _, _, _, r, col, _ = _tile(k, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, NCB, DB)
         mbarrier.expect(bars.index(k), w_desc.block_type.nbytes, pred=k < T)
         tma.async_copy_global_to_shared(w_desc, [r, col], bars.index(k), ring.index(k), pred=k < T)
@@ -100,19 +101,21 @@ def _walk_kernel(w_desc, x_ptr, y_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: 
     offs_c = gl.arange(0, BC, layout=gl.SliceLayout(0, TILE))
     offs_xc = gl.arange(0, BC, layout=XL)
     for i in range(T):
-        # Every warp is done with tile i - 1's buffer (and the activation): refill it, NBUF - 1 tiles ahead.
-        gl.thread_barrier()
-        fence_async_shared()
-        j = i + NBUF - 1
-        _, _, _, _, _, _, r, col, _ = _tile(j, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, NCB, DB)
-        mbarrier.expect(bars.index(j % NBUF), w_desc.block_type.nbytes, pred=j < T)
-        tma.async_copy_global_to_shared(w_desc, [r, col], bars.index(j % NBUF), ring.index(j % NBUF),
-                                        pred=j < T)  # fmt: skip
+        if i % REFILL == 0:  # every warp is done with the last REFILL tiles' buffers: refill them
+            gl.thread_barrier()
+            fence_async_shared()
+            for k in gl.static_range(REFILL):
+                j = i + NBUF - REFILL + k
+                _, _, _, _, _, _, r, col, _ = _tile(j, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, NCB, DB)
+                mbarrier.expect(bars.index(j % NBUF), w_desc.block_type.nbytes, pred=j < T)
+                tma.async_copy_global_to_shared(w_desc, [r, col], bars.index(j % NBUF), ring.index(j % NBUF),
+                                                pred=j < T)  # fmt: skip
         tile = _tile(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, NCB, DB)
         layer, seg, s, g, b, bpg, _, _, kcol = tile
         x_row = x_ptr + (layer * 4 + seg) * XMAX
         if XSMEM:
             if s == 0:  # a new matrix: its whole activation into shared memory, once
+                gl.thread_barrier()  # every warp is done with the last matrix's
                 for k in gl.static_range(XMAX // BC):
                     x_smem.index(k).store(gl.load(x_row + k * BC + offs_xc))
                 gl.thread_barrier()
@@ -155,6 +158,7 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--buffers", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--refill", type=int, nargs="+", default=[1, 2, 4], help="tiles refilled a CTA barrier")
     ap.add_argument("--ctas-per-sm", type=int, default=2)
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
@@ -171,22 +175,23 @@ def main() -> None:
     desc = TensorDescriptor.from_tensor(w, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
     streamers = torch.cuda.get_device_properties(0).multi_processor_count * args.ctas_per_sm
     y = torch.zeros(layers, 4, ymax, device="cuda")
-    for nbuf in args.buffers:
-        for xsmem in (True, False):
+    pairs = [(n, r) for n in args.buffers for r in args.refill if n % r == 0 and r < n]
+    sets = [(n, r, xs) for n, r in pairs for xs in (True, False)]
+    for nbuf, refill, xsmem in sets:
 
-            def walk(nbuf=nbuf, xsmem=xsmem):
-                _walk_kernel[(streamers,)](desc, x, y, streamers, H=h, FF=ff, L=layers, XMAX=xmax, YMAX=ymax,
-                                           NBUF=nbuf, XSMEM=xsmem, num_warps=4)  # fmt: skip
+        def walk(nbuf=nbuf, refill=refill, xsmem=xsmem):
+            _walk_kernel[(streamers,)](desc, x, y, streamers, H=h, FF=ff, L=layers, XMAX=xmax, YMAX=ymax,
+                                       NBUF=nbuf, REFILL=refill, XSMEM=xsmem, num_warps=4)  # fmt: skip
 
-            y.zero_()
-            walk()
-            torch.cuda.synchronize()
-            err = float((y - expect).abs().max())
-            ms = replay_ms(capture(walk), args.replays)
-            row = {"buffers": nbuf, "x_in_smem": xsmem, "streamers": streamers, "ms": round(ms, 4),
-                   "tb_s": round(w.numel() * 2 / ms / 1e9, 3), "max_err": err,
-                   "max_ref": float(expect.abs().max())}  # fmt: skip
-            print(json.dumps(row), flush=True)
+        y.zero_()
+        walk()
+        torch.cuda.synchronize()
+        err = float((y - expect).abs().max())
+        ms = replay_ms(capture(walk), args.replays)
+        row = {"buffers": nbuf, "refill": refill, "x_in_smem": xsmem, "streamers": streamers,
+               "ms": round(ms, 4), "tb_s": round(w.numel() * 2 / ms / 1e9, 3), "max_err": err,
+               "max_ref": float(expect.abs().max())}  # fmt: skip
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
