@@ -62,7 +62,7 @@ class EngineConfig:
     run_ahead_full_depth: bool = True
     run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
     # Triton runner on CUDA, bf16: one-token decode loops as one persistent launch (kernels/dataflow.py;
-    # +1 copy of the layer weights; 0.28 ms less TPOT at concurrency 1 on the H200). None: on where
+    # +1 copy of the layer weights; 0.26 ms less TPOT at concurrency 1 on the H200). None: on where
     # supported, quietly off elsewhere; True: on, with a warning where unsupported; False: off.
     dataflow: bool | None = None
 
