@@ -131,6 +131,93 @@ def _walk_kernel(w_desc, x_ptr, y_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: 
         mbarrier.invalidate(bars.index(k))
 
 
+@gluon.jit
+def _ws_loader(w_desc, x_desc, ring, xring, ready, empty, G, H: gl.constexpr, FF: gl.constexpr,
+               L: gl.constexpr, NBUF: gl.constexpr, XTMA: gl.constexpr):  # fmt: skip
+    # One warp: waits for a free slot, then TMA-loads the slot's weight tile (and activation chunk).
+    NCB: gl.constexpr = H // BC
+    DB: gl.constexpr = (((FF + H - 1) // H) * H) // BC
+    RPL: gl.constexpr = 4 * H + 2 * FF + DB * BC
+    c = gl.program_id(0)
+    q_lo, nq = _share(3 * H // BR, c, G)
+    o_lo, no = _share(H // BR, c, G)
+    u_lo, nu = _share(2 * FF // BR, c, G)
+    d_lo, nd = _share(H // BR, c, G)
+    e1 = nq * NCB
+    e2 = e1 + no * NCB
+    e3 = e2 + nu * NCB
+    P = e3 + nd * DB
+    for i in range(L * P):
+        slot = i % NBUF
+        mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
+        tile = _tile(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, NCB, DB)
+        layer, seg, _, _, _, _, r, col, kcol = tile
+        if XTMA:
+            mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            xbuf = xring.index(slot)
+            tma.async_copy_global_to_shared(x_desc, [layer * 4 + seg, kcol], ready.index(slot), xbuf)
+        else:
+            mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [r, col], ready.index(slot), ring.index(slot))
+
+
+@gluon.jit
+def _ws_consumer(x_ptr, y_ptr, ring, xring, ready, empty, G, H: gl.constexpr, FF: gl.constexpr,
+                 L: gl.constexpr, XMAX: gl.constexpr, YMAX: gl.constexpr, NBUF: gl.constexpr,
+                 XTMA: gl.constexpr):  # fmt: skip
+    # The default partition's 4 warps: multiply each slot's tile by its activation chunk, free the slot.
+    NCB: gl.constexpr = H // BC
+    DB: gl.constexpr = (((FF + H - 1) // H) * H) // BC
+    RPL: gl.constexpr = 4 * H + 2 * FF + DB * BC
+    TILE: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    c = gl.program_id(0)
+    q_lo, nq = _share(3 * H // BR, c, G)
+    o_lo, no = _share(H // BR, c, G)
+    u_lo, nu = _share(2 * FF // BR, c, G)
+    d_lo, nd = _share(H // BR, c, G)
+    e1 = nq * NCB
+    e2 = e1 + no * NCB
+    e3 = e2 + nu * NCB
+    P = e3 + nd * DB
+    acc = gl.zeros([BR, BC], gl.float32, TILE)
+    offs_r = gl.arange(0, BR, layout=gl.SliceLayout(1, TILE))
+    offs_c = gl.arange(0, BC, layout=gl.SliceLayout(0, TILE))
+    for i in range(L * P):
+        slot = i % NBUF
+        tile = _tile(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H, RPL, NCB, DB)
+        layer, seg, _, g, b, bpg, _, _, kcol = tile
+        if not XTMA:
+            xc = gl.load(x_ptr + (layer * 4 + seg) * XMAX + kcol + offs_c).to(gl.float32)[None, :]
+        mbarrier.wait(ready.index(slot), (i // NBUF) & 1)
+        w = ring.index(slot).load(TILE).to(gl.float32)
+        if XTMA:
+            xc = xring.index(slot).load(TILE).to(gl.float32)  # [1, BC]
+        fence_async_shared()
+        mbarrier.arrive(empty.index(slot), count=1)
+        acc = gl.where(b == 0, 0.0, acc) + w * xc
+        if b == bpg - 1:
+            gl.store(y_ptr + (layer * 4 + seg) * YMAX + g * BR + offs_r, gl.sum(acc, axis=1))
+
+
+@gluon.jit
+def _ws_kernel(w_desc, x_desc, x_ptr, y_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
+               XMAX: gl.constexpr, YMAX: gl.constexpr, NBUF: gl.constexpr, XTMA: gl.constexpr,
+               LOADER_REGS: gl.constexpr):  # fmt: skip
+    # The walk warp-specialized: a loader warp fills a ring of NBUF slots, the 4 default warps consume it.
+    # XTMA=1: each slot also carries the tile's activation chunk ([1, BC], by TMA); 0: loaded from L2.
+    ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, BR, BC], w_desc.layout)
+    xring = gl.allocate_shared_memory(x_desc.dtype, [NBUF, 1, BC], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(NBUF):
+        mbarrier.init(ready.index(k), count=1)
+        mbarrier.init(empty.index(k), count=1)
+    gl.warp_specialize([
+        (_ws_consumer, (x_ptr, y_ptr, ring, xring, ready, empty, G, H, FF, L, XMAX, YMAX, NBUF, XTMA)),
+        (_ws_loader, (w_desc, x_desc, ring, xring, ready, empty, G, H, FF, L, NBUF, XTMA)),
+    ], [1], [LOADER_REGS])  # fmt: skip
+
+
 def packed_rows(h: int, ff: int) -> tuple[int, int]:
     """Rows a layer takes in the packed layout, and the down chunks (dataflow.pack_weights)."""
     chunks = -(-ff // h)
@@ -160,6 +247,8 @@ def main() -> None:
     ap.add_argument("--buffers", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--refill", type=int, nargs="+", default=[1, 2, 4], help="tiles refilled a CTA barrier")
     ap.add_argument("--ctas-per-sm", type=int, default=2)
+    ap.add_argument("--kernels", nargs="+", default=["ring", "ws"], help="ring or ws (loader warp)")
+    ap.add_argument("--loader-regs", type=int, default=40)
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
     h, ff, layers = args.hidden, args.intermediate, args.layers
@@ -175,20 +264,33 @@ def main() -> None:
     desc = TensorDescriptor.from_tensor(w, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
     streamers = torch.cuda.get_device_properties(0).multi_processor_count * args.ctas_per_sm
     y = torch.zeros(layers, 4, ymax, device="cuda")
-    pairs = [(n, r) for n in args.buffers for r in args.refill if n % r == 0 and r < n]
-    sets = [(n, r, xs) for n, r in pairs for xs in (True, False)]
-    for nbuf, refill, xsmem in sets:
+    x2 = x.view(layers * 4, xmax)
+    xblock = [1, TILE_COLS]
+    x_layout = gl.NVMMASharedLayout.get_default_for(xblock, gl.bfloat16)
+    x_desc = TensorDescriptor.from_tensor(x2, xblock, x_layout)
+    sets = []
+    if "ring" in args.kernels:
+        pairs = [(n, r) for n in args.buffers for r in args.refill if n % r == 0 and r < n]
+        sets += [("ring", n, r, xs) for n, r in pairs for xs in (True, False)]
+    if "ws" in args.kernels:
+        sets += [("ws", n, 0, xt) for n in args.buffers for xt in (True, False)]
+    for kind, nbuf, refill, xsmem in sets:
 
-        def walk(nbuf=nbuf, refill=refill, xsmem=xsmem):
-            _walk_kernel[(streamers,)](desc, x, y, streamers, H=h, FF=ff, L=layers, XMAX=xmax, YMAX=ymax,
-                                       NBUF=nbuf, REFILL=refill, XSMEM=xsmem, num_warps=4)  # fmt: skip
+        def walk(kind=kind, nbuf=nbuf, refill=refill, xsmem=xsmem):
+            if kind == "ring":
+                _walk_kernel[(streamers,)](desc, x, y, streamers, H=h, FF=ff, L=layers, XMAX=xmax, YMAX=ymax,
+                                           NBUF=nbuf, REFILL=refill, XSMEM=xsmem, num_warps=4)  # fmt: skip
+            else:
+                _ws_kernel[(streamers,)](desc, x_desc, x, y, streamers, H=h, FF=ff, L=layers, XMAX=xmax,
+                                         YMAX=ymax, NBUF=nbuf, XTMA=xsmem, LOADER_REGS=args.loader_regs,
+                                         num_warps=4, maxnreg=128)  # fmt: skip
 
         y.zero_()
         walk()
         torch.cuda.synchronize()
         err = float((y - expect).abs().max())
         ms = replay_ms(capture(walk), args.replays)
-        row = {"buffers": nbuf, "refill": refill, "x_in_smem": xsmem, "streamers": streamers,
+        row = {"kernel": kind, "buffers": nbuf, "refill": refill, "x_in_smem": xsmem, "streamers": streamers,
                "ms": round(ms, 4), "tb_s": round(w.numel() * 2 / ms / 1e9, 3), "max_err": err,
                "max_ref": float(expect.abs().max())}  # fmt: skip
         print(json.dumps(row), flush=True)
