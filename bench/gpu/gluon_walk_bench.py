@@ -27,7 +27,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
@@ -218,6 +224,119 @@ def _ws_kernel(w_desc, x_desc, x_ptr, y_ptr, G, H: gl.constexpr, FF: gl.constexp
     ], [1], [LOADER_REGS])  # fmt: skip
 
 
+@gluon.jit
+def _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H: gl.constexpr, RPL: gl.constexpr, NCT: gl.constexpr,
+           DBT: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr):  # fmt: skip
+    # Tile i of a CTA's balanced walk -> (layer, matrix, tile in the CTA's range, group, tile in group,
+    # tiles per group, weight row, weight column, activation column). Each matrix's [TR, TC] tiles are
+    # numbered group-major; a CTA owns one contiguous range of them (lo.. in every layer).
+    layer = i // P
+    j = i - layer * P
+    seg = (j >= e1).to(gl.int32) + (j >= e2).to(gl.int32) + (j >= e3).to(gl.int32)
+    start = gl.where(seg == 0, 0, gl.where(seg == 1, e1, gl.where(seg == 2, e2, e3)))
+    s = j - start
+    t = s + gl.where(seg == 0, lo0, gl.where(seg == 1, lo1, gl.where(seg == 2, lo2, lo3)))
+    bpg = gl.where(seg == 3, DBT, NCT)
+    g = t // bpg
+    b = t - g * bpg
+    kcol = b * TC
+    base = gl.where(seg == 0, 0, gl.where(seg == 1, 3 * H, gl.where(seg == 2, 4 * H, RPL - DBT * TC)))
+    return layer, seg, s, g, b, bpg, layer * RPL + base + g * TR + (kcol // H) * H, kcol % H, kcol
+
+
+@gluon.jit
+def _mma_ranges(G, H: gl.constexpr, FF: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr):
+    # This CTA's share of each matrix's tiles: (starts, counts), and the walk's offsets within a layer.
+    NCT: gl.constexpr = H // TC
+    DBT: gl.constexpr = (((FF + H - 1) // H) * H) // TC
+    c = gl.program_id(0)
+    lo0, n0 = _share(3 * H // TR * NCT, c, G)
+    lo1, n1 = _share(H // TR * NCT, c, G)
+    lo2, n2 = _share(2 * FF // TR * NCT, c, G)
+    lo3, n3 = _share(H // TR * DBT, c, G)
+    return lo0, lo1, lo2, lo3, n0, n1, n2, n3
+
+
+@gluon.jit
+def _mma_loader(w_desc, x_desc, ring, xring, ready, empty, G, H: gl.constexpr, FF: gl.constexpr,
+                L: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr):  # fmt: skip
+    # One warp: waits for a free slot, then TMA-loads its [TR, TC] weight tile and [NTOK, TC] activations.
+    TR: gl.constexpr = w_desc.block_type.shape[0]
+    TC: gl.constexpr = w_desc.block_type.shape[1]
+    NCT: gl.constexpr = H // TC
+    DBT: gl.constexpr = (((FF + H - 1) // H) * H) // TC
+    RPL: gl.constexpr = 4 * H + 2 * FF + DBT * TC
+    lo0, lo1, lo2, lo3, n0, n1, n2, n3 = _mma_ranges(G, H, FF, TR, TC)
+    e1 = n0
+    e2 = e1 + n1
+    e3 = e2 + n2
+    P = e3 + n3
+    for i in range(L * P):
+        slot = i % NBUF
+        mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
+        tile = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
+        layer, seg, _, _, _, _, r, col, kcol = tile
+        mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            x_desc, [(layer * 4 + seg) * NTOK, kcol], ready.index(slot), xring.index(slot)
+        )
+        tma.async_copy_global_to_shared(w_desc, [r, col], ready.index(slot), ring.index(slot))
+
+
+@gluon.jit
+def _mma_consumer(y_ptr, ring, xring, ready, empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
+                  YMAX: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr,
+                  TC: gl.constexpr):  # fmt: skip
+    # 4 warps (one warpgroup): one wgmma per slot, [TR, TC] x [TC, NTOK], straight from shared memory;
+    # a group's sum is added into y when its last tile in this CTA's range is done (ranges split groups).
+    NCT: gl.constexpr = H // TC
+    DBT: gl.constexpr = (((FF + H - 1) // H) * H) // TC
+    RPL: gl.constexpr = 4 * H + 2 * FF + DBT * TC
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NTOK, 16]
+    )
+    lo0, lo1, lo2, lo3, n0, n1, n2, n3 = _mma_ranges(G, H, FF, TR, TC)
+    e1 = n0
+    e2 = e1 + n1
+    e3 = e2 + n2
+    P = e3 + n3
+    offs_r = gl.arange(0, TR, layout=gl.SliceLayout(1, ACC))
+    offs_n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, ACC))
+    acc = gl.zeros([TR, NTOK], gl.float32, ACC)
+    for i in range(L * P):
+        slot = i % NBUF
+        tile = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
+        layer, seg, s, g, b, bpg, _, _, _ = tile
+        n = gl.where(seg == 0, n0, gl.where(seg == 1, n1, gl.where(seg == 2, n2, n3)))
+        mbarrier.wait(ready.index(slot), (i // NBUF) & 1)
+        xt = xring.index(slot).permute((1, 0))  # [TC, NTOK], K-major
+        acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=(b > 0) & (s > 0), is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(slot), count=1)
+        if (b == bpg - 1) | (s == n - 1):
+            rows = (layer * 4 + seg) * YMAX + g * TR + offs_r
+            gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], acc, sem="relaxed")
+
+
+@gluon.jit
+def _mma_kernel(w_desc, x_desc, y_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
+                YMAX: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr):  # fmt: skip
+    # The walk on tensor cores, balanced: every CTA streams the same number of tiles of every matrix.
+    TR: gl.constexpr = w_desc.block_type.shape[0]
+    TC: gl.constexpr = w_desc.block_type.shape[1]
+    ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, TR, TC], w_desc.layout)
+    xring = gl.allocate_shared_memory(x_desc.dtype, [NBUF, NTOK, TC], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(NBUF):
+        mbarrier.init(ready.index(k), count=1)
+        mbarrier.init(empty.index(k), count=1)
+    gl.warp_specialize([
+        (_mma_consumer, (y_ptr, ring, xring, ready, empty, G, H, FF, L, YMAX, NBUF, NTOK, TR, TC)),
+        (_mma_loader, (w_desc, x_desc, ring, xring, ready, empty, G, H, FF, L, NBUF, NTOK)),
+    ], [1], [40])  # fmt: skip
+
+
 def packed_rows(h: int, ff: int) -> tuple[int, int]:
     """Rows a layer takes in the packed layout, and the down chunks (dataflow.pack_weights)."""
     chunks = -(-ff // h)
@@ -239,6 +358,46 @@ def reference(w: torch.Tensor, x: torch.Tensor, h: int, ff: int, layers: int) ->
     return y
 
 
+def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, ntok, replays) -> dict:
+    """Time the balanced tensor-core walk over w for ntok activation rows; check it against torch."""
+    rpl, chunks = packed_rows(h, ff)
+    xmax, ymax = chunks * h, max(3 * h, 2 * ff)
+    x = torch.zeros(layers, 4, ntok, xmax, device="cuda", dtype=torch.bfloat16)
+    x[:, :3, :, :h] = torch.randn(layers, 3, ntok, h, device="cuda").to(torch.bfloat16)
+    x[:, 3, :, :ff] = torch.randn(layers, ntok, ff, device="cuda").to(torch.bfloat16)
+    expect = torch.stack([reference(w, x[:, :, n], h, ff, layers) for n in range(ntok)], dim=-1)
+    wblock, xblock = [64, cols], [ntok, cols]
+    w_desc = TensorDescriptor.from_tensor(
+        w, wblock, gl.NVMMASharedLayout.get_default_for(wblock, gl.bfloat16)
+    )
+    x2 = x.view(layers * 4 * ntok, xmax)
+    x_desc = TensorDescriptor.from_tensor(
+        x2, xblock, gl.NVMMASharedLayout.get_default_for(xblock, gl.bfloat16)
+    )
+    ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
+    y = torch.zeros(layers, 4, ymax, ntok, device="cuda")
+
+    def walk():
+        _mma_kernel[(ctas,)](w_desc, x_desc, y, ctas, H=h, FF=ff, L=layers, YMAX=ymax, NBUF=nbuf, NTOK=ntok,
+                             num_warps=4, maxnreg=128)  # fmt: skip
+
+    walk()
+    torch.cuda.synchronize()
+    err = float((y[..., : expect.shape[2], :] - expect).abs().max())
+    ms = replay_ms(capture(walk), replays)  # y keeps adding: only the first run is checked
+    return {
+        "kernel": "mma",
+        "tile": wblock,
+        "buffers": nbuf,
+        "ctas": ctas,
+        "tokens": ntok,
+        "ms": round(ms, 4),
+        "tb_s": round(w.numel() * 2 / ms / 1e9, 3),
+        "max_err": err,
+        "max_ref": float(expect.abs().max()),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=2048)
@@ -249,6 +408,9 @@ def main() -> None:
     ap.add_argument("--ctas-per-sm", type=int, default=2)
     ap.add_argument("--kernels", nargs="+", default=["ring", "ws"], help="ring or ws (loader warp)")
     ap.add_argument("--loader-regs", type=int, default=40)
+    ap.add_argument("--mma", nargs="*", default=["256:4:1", "256:5:1", "128:6:2", "128:4:2", "128:8:1"],
+                    help="tensor-core walks, tile columns:buffers:CTAs per SM")  # fmt: skip
+    ap.add_argument("--tokens", type=int, default=8, help="activation rows of the tensor-core walk")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
     h, ff, layers = args.hidden, args.intermediate, args.layers
@@ -294,6 +456,11 @@ def main() -> None:
                "ms": round(ms, 4), "tb_s": round(w.numel() * 2 / ms / 1e9, 3), "max_err": err,
                "max_ref": float(expect.abs().max())}  # fmt: skip
         print(json.dumps(row), flush=True)
+    for spec in args.mma:
+        print(
+            json.dumps(mma_walk(w, h, ff, layers, *map(int, spec.split(":")), args.tokens, args.replays)),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
