@@ -258,48 +258,71 @@ def _mma_ranges(G, H: gl.constexpr, FF: gl.constexpr, TR: gl.constexpr, TC: gl.c
 
 
 @gluon.jit
-def _mma_loader(w_desc, x_desc, ring, xring, ready, empty, G, H: gl.constexpr, FF: gl.constexpr,
-                L: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr):  # fmt: skip
-    # One warp: waits for a free slot, then TMA-loads its [TR, TC] weight tile and [NTOK, TC] activations.
+def _mma_walk_setup(G, H: gl.constexpr, FF: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr):
+    # This CTA's ranges and the offsets of its walk within a layer: (lo0..lo3, n0..n3, e1, e2, e3, P).
+    lo0, lo1, lo2, lo3, n0, n1, n2, n3 = _mma_ranges(G, H, FF, TR, TC)
+    return lo0, lo1, lo2, lo3, n0, n1, n2, n3, n0, n0 + n1, n0 + n1 + n2, n0 + n1 + n2 + n3
+
+
+@gluon.jit
+def _mma_wloader(w_desc, ring, wready, empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
+                 NBUF: gl.constexpr):  # fmt: skip
+    # One warp: the weight tiles, as far ahead as the ring allows (weights depend on nothing).
     TR: gl.constexpr = w_desc.block_type.shape[0]
     TC: gl.constexpr = w_desc.block_type.shape[1]
     NCT: gl.constexpr = H // TC
     DBT: gl.constexpr = (((FF + H - 1) // H) * H) // TC
     RPL: gl.constexpr = 4 * H + 2 * FF + DBT * TC
-    lo0, lo1, lo2, lo3, n0, n1, n2, n3 = _mma_ranges(G, H, FF, TR, TC)
-    e1 = n0
-    e2 = e1 + n1
-    e3 = e2 + n2
-    P = e3 + n3
+    lo0, lo1, lo2, lo3, _, _, _, _, e1, e2, e3, P = _mma_walk_setup(G, H, FF, TR, TC)
     for i in range(L * P):
         slot = i % NBUF
         mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
-        tile = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
-        layer, seg, _, _, _, _, r, col, kcol = tile
-        mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            x_desc, [(layer * 4 + seg) * NTOK, kcol], ready.index(slot), xring.index(slot)
-        )
-        tma.async_copy_global_to_shared(w_desc, [r, col], ready.index(slot), ring.index(slot))
+        _, _, _, _, _, _, r, col, _ = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
+        mbarrier.expect(wready.index(slot), w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [r, col], wready.index(slot), ring.index(slot))
 
 
 @gluon.jit
-def _mma_consumer(y_ptr, ring, xring, ready, empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
-                  YMAX: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr,
-                  TC: gl.constexpr):  # fmt: skip
+def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF: gl.constexpr,
+                 L: gl.constexpr, NBUF: gl.constexpr, DEP: gl.constexpr):  # fmt: skip
+    # One warp: the activation slices. DEP=1: a matrix's first slice waits until every CTA has finished
+    # the matrix before it (done counters), as a matrix's input is its predecessor's output.
+    NTOK: gl.constexpr = x_desc.block_type.shape[0]
+    TC: gl.constexpr = x_desc.block_type.shape[1]
+    TR: gl.constexpr = 64
+    NCT: gl.constexpr = H // TC
+    DBT: gl.constexpr = (((FF + H - 1) // H) * H) // TC
+    RPL: gl.constexpr = 4 * H + 2 * FF + DBT * TC
+    lo0, lo1, lo2, lo3, _, _, _, _, e1, e2, e3, P = _mma_walk_setup(G, H, FF, TR, TC)
+    for i in range(L * P):
+        slot = i % NBUF
+        mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)
+        layer, seg, s, _, _, _, _, _, kcol = _mtile(
+            i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC
+        )
+        m = layer * 4 + seg
+        if DEP:  # noqa: SIM102 (a constexpr branch)
+            if (s == 0) & (m > 0):
+                while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
+                    pass
+        mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [m * NTOK, kcol], xready.index(slot), xring.index(slot))
+
+
+@gluon.jit
+def _mma_consumer(y_ptr, done_ptr, ring, xring, wready, xready, empty, G, H: gl.constexpr, FF: gl.constexpr,
+                  L: gl.constexpr, YMAX: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr,
+                  TR: gl.constexpr, TC: gl.constexpr):  # fmt: skip
     # 4 warps (one warpgroup): one wgmma per slot, [TR, TC] x [TC, NTOK], straight from shared memory;
-    # a group's sum is added into y when its last tile in this CTA's range is done (ranges split groups).
+    # a group's sum is added into y when its last tile in this CTA's range is done (ranges split groups);
+    # after its range of a matrix, the CTA counts itself done with it.
     NCT: gl.constexpr = H // TC
     DBT: gl.constexpr = (((FF + H - 1) // H) * H) // TC
     RPL: gl.constexpr = 4 * H + 2 * FF + DBT * TC
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NTOK, 16]
     )
-    lo0, lo1, lo2, lo3, n0, n1, n2, n3 = _mma_ranges(G, H, FF, TR, TC)
-    e1 = n0
-    e2 = e1 + n1
-    e3 = e2 + n2
-    P = e3 + n3
+    lo0, lo1, lo2, lo3, n0, n1, n2, n3, e1, e2, e3, P = _mma_walk_setup(G, H, FF, TR, TC)
     offs_r = gl.arange(0, TR, layout=gl.SliceLayout(1, ACC))
     offs_n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, ACC))
     acc = gl.zeros([TR, NTOK], gl.float32, ACC)
@@ -308,7 +331,8 @@ def _mma_consumer(y_ptr, ring, xring, ready, empty, G, H: gl.constexpr, FF: gl.c
         tile = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
         layer, seg, s, g, b, bpg, _, _, _ = tile
         n = gl.where(seg == 0, n0, gl.where(seg == 1, n1, gl.where(seg == 2, n2, n3)))
-        mbarrier.wait(ready.index(slot), (i // NBUF) & 1)
+        mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
+        mbarrier.wait(xready.index(slot), (i // NBUF) & 1)
         xt = xring.index(slot).permute((1, 0))  # [TC, NTOK], K-major
         acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=(b > 0) & (s > 0), is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
@@ -316,25 +340,34 @@ def _mma_consumer(y_ptr, ring, xring, ready, empty, G, H: gl.constexpr, FF: gl.c
         if (b == bpg - 1) | (s == n - 1):
             rows = (layer * 4 + seg) * YMAX + g * TR + offs_r
             gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], acc, sem="relaxed")
+        if s == n - 1:
+            gl.thread_barrier()  # every warp's adds are issued before the release below
+            gl.atomic_add(done_ptr + layer * 4 + seg, 1, sem="release")
 
 
 @gluon.jit
-def _mma_kernel(w_desc, x_desc, y_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
-                YMAX: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr):  # fmt: skip
+def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
+                YMAX: gl.constexpr, NBUF: gl.constexpr, DEP: gl.constexpr):  # fmt: skip
     # The walk on tensor cores, balanced: every CTA streams the same number of tiles of every matrix.
+    # done_ptr: L * 4 int32 counters, zero at launch.
     TR: gl.constexpr = w_desc.block_type.shape[0]
     TC: gl.constexpr = w_desc.block_type.shape[1]
+    NTOK: gl.constexpr = x_desc.block_type.shape[0]
     ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, TR, TC], w_desc.layout)
     xring = gl.allocate_shared_memory(x_desc.dtype, [NBUF, NTOK, TC], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    wready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    xready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     for k in gl.static_range(NBUF):
-        mbarrier.init(ready.index(k), count=1)
+        mbarrier.init(wready.index(k), count=1)
+        mbarrier.init(xready.index(k), count=1)
         mbarrier.init(empty.index(k), count=1)
     gl.warp_specialize([
-        (_mma_consumer, (y_ptr, ring, xring, ready, empty, G, H, FF, L, YMAX, NBUF, NTOK, TR, TC)),
-        (_mma_loader, (w_desc, x_desc, ring, xring, ready, empty, G, H, FF, L, NBUF, NTOK)),
-    ], [1], [40])  # fmt: skip
+        (_mma_consumer, (y_ptr, done_ptr, ring, xring, wready, xready, empty, G, H, FF, L, YMAX, NBUF, NTOK,
+                         TR, TC)),
+        (_mma_wloader, (w_desc, ring, wready, empty, G, H, FF, L, NBUF)),
+        (_mma_xloader, (x_desc, done_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP)),
+    ], [1, 1], [40, 40])  # fmt: skip
 
 
 def packed_rows(h: int, ff: int) -> tuple[int, int]:
@@ -358,7 +391,7 @@ def reference(w: torch.Tensor, x: torch.Tensor, h: int, ff: int, layers: int) ->
     return y
 
 
-def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, ntok, replays) -> dict:
+def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, ntok, replays) -> dict:
     """Time the balanced tensor-core walk over w for ntok activation rows; check it against torch."""
     rpl, chunks = packed_rows(h, ff)
     xmax, ymax = chunks * h, max(3 * h, 2 * ff)
@@ -376,10 +409,12 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, ntok, replays) -> dict:
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
     y = torch.zeros(layers, 4, ymax, ntok, device="cuda")
+    done = torch.zeros(layers * 4, device="cuda", dtype=torch.int32)
 
     def walk():
-        _mma_kernel[(ctas,)](w_desc, x_desc, y, ctas, H=h, FF=ff, L=layers, YMAX=ymax, NBUF=nbuf, NTOK=ntok,
-                             num_warps=4, maxnreg=128)  # fmt: skip
+        done.zero_()
+        _mma_kernel[(ctas,)](w_desc, x_desc, y, done, ctas, H=h, FF=ff, L=layers, YMAX=ymax, NBUF=nbuf,
+                             DEP=dep, num_warps=4, maxnreg=128)  # fmt: skip
 
     walk()
     torch.cuda.synchronize()
@@ -391,6 +426,7 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, ntok, replays) -> dict:
         "buffers": nbuf,
         "ctas": ctas,
         "tokens": ntok,
+        "dependent": bool(dep),
         "ms": round(ms, 4),
         "tb_s": round(w.numel() * 2 / ms / 1e9, 3),
         "max_err": err,
@@ -408,8 +444,8 @@ def main() -> None:
     ap.add_argument("--ctas-per-sm", type=int, default=2)
     ap.add_argument("--kernels", nargs="+", default=["ring", "ws"], help="ring or ws (loader warp)")
     ap.add_argument("--loader-regs", type=int, default=40)
-    ap.add_argument("--mma", nargs="*", default=["256:4:1", "256:5:1", "128:6:2", "128:4:2", "128:8:1"],
-                    help="tensor-core walks, tile columns:buffers:CTAs per SM")  # fmt: skip
+    ap.add_argument("--mma", nargs="*", default=["256:4:1:0", "256:4:1:1", "128:4:2:0", "128:4:2:1"],
+                    help="tensor-core walks, tile columns:buffers:CTAs per SM:dependent")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=8, help="activation rows of the tensor-core walk")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
