@@ -284,9 +284,9 @@ def _mma_wloader(w_desc, ring, wready, empty, G, H: gl.constexpr, FF: gl.constex
 
 @gluon.jit
 def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF: gl.constexpr,
-                 L: gl.constexpr, NBUF: gl.constexpr, DEP: gl.constexpr):  # fmt: skip
-    # One warp: the activation slices. DEP=1: a matrix's first slice waits until every CTA has finished
-    # the matrix before it (done counters), as a matrix's input is its predecessor's output.
+                 L: gl.constexpr, NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr):  # fmt: skip
+    # One warp: the activation slices (XSRC=0). DEP=1: a matrix's first slice waits until every CTA has
+    # finished the matrix before it (done counters), as a matrix's input is its predecessor's output.
     NTOK: gl.constexpr = x_desc.block_type.shape[0]
     TC: gl.constexpr = x_desc.block_type.shape[1]
     TR: gl.constexpr = 64
@@ -294,7 +294,7 @@ def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF:
     DBT: gl.constexpr = (((FF + H - 1) // H) * H) // TC
     RPL: gl.constexpr = 4 * H + 2 * FF + DBT * TC
     lo0, lo1, lo2, lo3, _, _, _, _, e1, e2, e3, P = _mma_walk_setup(G, H, FF, TR, TC)
-    for i in range(L * P):
+    for i in range(L * P * (1 - XSRC)):
         slot = i % NBUF
         mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)
         layer, seg, s, _, _, _, _, _, kcol = _mtile(
@@ -310,9 +310,35 @@ def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF:
 
 
 @gluon.jit
-def _mma_consumer(y_ptr, done_ptr, ring, xring, wready, xready, empty, G, H: gl.constexpr, FF: gl.constexpr,
-                  L: gl.constexpr, YMAX: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr,
-                  TR: gl.constexpr, TC: gl.constexpr):  # fmt: skip
+def _build_act(act, m, seg, src_ptr, normw_ptr, down_ptr, H: gl.constexpr, XMAX: gl.constexpr,
+               NTOK: gl.constexpr, TC: gl.constexpr):  # fmt: skip
+    # XSRC=1: this CTA writes matrix m's whole activation into shared memory itself, as a fused loop
+    # would: RMSNorm(src[m]) * normw for q/o/up (fp32 [NTOK, H] in L2), down's bf16 [NTOK, XMAX] as is.
+    CH: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    rows = gl.arange(0, NTOK, layout=gl.SliceLayout(1, CH))
+    cols = gl.arange(0, TC, layout=gl.SliceLayout(0, CH))
+    if seg == 3:
+        for k in gl.static_range(XMAX // TC):
+            act.index(k).store(
+                gl.load(down_ptr + (m // 4) * NTOK * XMAX + rows[:, None] * XMAX + k * TC + cols[None, :])
+            )
+    else:
+        base = src_ptr + m * NTOK * H + rows[:, None] * H + cols[None, :]
+        ss = gl.zeros([NTOK], gl.float32, gl.SliceLayout(1, CH))
+        for k in gl.static_range(H // TC):
+            v = gl.load(base + k * TC)
+            ss += gl.sum(v * v, axis=1)
+        inv = gl.rsqrt(ss / H + 1e-6)
+        for k in gl.static_range(H // TC):
+            wk = gl.load(normw_ptr + k * TC + cols).to(gl.float32)
+            act.index(k).store((gl.load(base + k * TC) * inv[:, None] * wk[None, :]).to(gl.bfloat16))
+
+
+@gluon.jit
+def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, ring, xring, act, wready, xready, empty, G,
+                  H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr,
+                  NBUF: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr,
+                  DEP: gl.constexpr, XSRC: gl.constexpr):  # fmt: skip
     # 4 warps (one warpgroup): one wgmma per slot, [TR, TC] x [TC, NTOK], straight from shared memory;
     # a group's sum is added into y when its last tile in this CTA's range is done (ranges split groups);
     # after its range of a matrix, the CTA counts itself done with it.
@@ -331,30 +357,46 @@ def _mma_consumer(y_ptr, done_ptr, ring, xring, wready, xready, empty, G, H: gl.
         tile = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
         layer, seg, s, g, b, bpg, _, _, _ = tile
         n = gl.where(seg == 0, n0, gl.where(seg == 1, n1, gl.where(seg == 2, n2, n3)))
+        m = layer * 4 + seg
+        if XSRC:
+            if s == 0:
+                if DEP:  # noqa: SIM102 (a constexpr branch)
+                    if m > 0:
+                        while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
+                            pass
+                gl.thread_barrier()  # every warp's last wgmma has read the old activation
+                _build_act(act, m, seg, src_ptr, normw_ptr, down_ptr, H, XMAX, NTOK, TC)
+                fence_async_shared()
+                gl.thread_barrier()
+            xt = act.index(b).permute((1, 0))  # [TC, NTOK], K-major
+        else:
+            mbarrier.wait(xready.index(slot), (i // NBUF) & 1)
+            xt = xring.index(slot).permute((1, 0))
         mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
-        mbarrier.wait(xready.index(slot), (i // NBUF) & 1)
-        xt = xring.index(slot).permute((1, 0))  # [TC, NTOK], K-major
         acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=(b > 0) & (s > 0), is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index(slot), count=1)
         if (b == bpg - 1) | (s == n - 1):
-            rows = (layer * 4 + seg) * YMAX + g * TR + offs_r
+            rows = m * YMAX + g * TR + offs_r
             gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], acc, sem="relaxed")
         if s == n - 1:
             gl.thread_barrier()  # every warp's adds are issued before the release below
-            gl.atomic_add(done_ptr + layer * 4 + seg, 1, sem="release")
+            gl.atomic_add(done_ptr + m, 1, sem="release")
 
 
 @gluon.jit
-def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
-                YMAX: gl.constexpr, NBUF: gl.constexpr, DEP: gl.constexpr):  # fmt: skip
+def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, G, H: gl.constexpr,
+                FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr, NBUF: gl.constexpr,
+                DEP: gl.constexpr, XSRC: gl.constexpr):  # fmt: skip
     # The walk on tensor cores, balanced: every CTA streams the same number of tiles of every matrix.
-    # done_ptr: L * 4 int32 counters, zero at launch.
+    # done_ptr: L * 4 int32 counters, zero at launch. XSRC=0: activations by TMA, per tile, from x_desc;
+    # 1: built by the CTA in shared memory at each matrix's start (_build_act).
     TR: gl.constexpr = w_desc.block_type.shape[0]
     TC: gl.constexpr = w_desc.block_type.shape[1]
     NTOK: gl.constexpr = x_desc.block_type.shape[0]
     ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, TR, TC], w_desc.layout)
-    xring = gl.allocate_shared_memory(x_desc.dtype, [NBUF, NTOK, TC], x_desc.layout)
+    xring = gl.allocate_shared_memory(x_desc.dtype, [NBUF * (1 - XSRC) + XSRC, NTOK, TC], x_desc.layout)
+    act = gl.allocate_shared_memory(x_desc.dtype, [(XMAX // TC) * XSRC + (1 - XSRC), NTOK, TC], x_desc.layout)
     wready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     xready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -363,10 +405,10 @@ def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, G, H: gl.constexpr, FF: gl.cons
         mbarrier.init(xready.index(k), count=1)
         mbarrier.init(empty.index(k), count=1)
     gl.warp_specialize([
-        (_mma_consumer, (y_ptr, done_ptr, ring, xring, wready, xready, empty, G, H, FF, L, YMAX, NBUF, NTOK,
-                         TR, TC)),
+        (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, ring, xring, act, wready, xready,
+                         empty, G, H, FF, L, YMAX, XMAX, NBUF, NTOK, TR, TC, DEP, XSRC)),
         (_mma_wloader, (w_desc, ring, wready, empty, G, H, FF, L, NBUF)),
-        (_mma_xloader, (x_desc, done_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP)),
+        (_mma_xloader, (x_desc, done_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC)),
     ], [1, 1], [40, 40])  # fmt: skip
 
 
@@ -391,14 +433,20 @@ def reference(w: torch.Tensor, x: torch.Tensor, h: int, ff: int, layers: int) ->
     return y
 
 
-def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, ntok, replays) -> dict:
+def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, ntok, replays) -> dict:
     """Time the balanced tensor-core walk over w for ntok activation rows; check it against torch."""
     rpl, chunks = packed_rows(h, ff)
     xmax, ymax = chunks * h, max(3 * h, 2 * ff)
     x = torch.zeros(layers, 4, ntok, xmax, device="cuda", dtype=torch.bfloat16)
     x[:, :3, :, :h] = torch.randn(layers, 3, ntok, h, device="cuda").to(torch.bfloat16)
     x[:, 3, :, :ff] = torch.randn(layers, ntok, ff, device="cuda").to(torch.bfloat16)
+    src = torch.randn(layers, 4, ntok, h, device="cuda")  # xsrc: q/o/up activations are RMSNorm(src) * normw
+    normw = (1 + 0.1 * torch.randn(h, device="cuda")).to(torch.bfloat16)
+    if xsrc:
+        normed = src * torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + 1e-6) * normw.float()
+        x[:, :3, :, :h] = normed[:, :3].to(torch.bfloat16)
     expect = torch.stack([reference(w, x[:, :, n], h, ff, layers) for n in range(ntok)], dim=-1)
+    down = x[:, 3].contiguous()  # [L, NTOK, XMAX] bf16
     wblock, xblock = [64, cols], [ntok, cols]
     w_desc = TensorDescriptor.from_tensor(
         w, wblock, gl.NVMMASharedLayout.get_default_for(wblock, gl.bfloat16)
@@ -413,8 +461,8 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, ntok, replays) -> d
 
     def walk():
         done.zero_()
-        _mma_kernel[(ctas,)](w_desc, x_desc, y, done, ctas, H=h, FF=ff, L=layers, YMAX=ymax, NBUF=nbuf,
-                             DEP=dep, num_warps=4, maxnreg=128)  # fmt: skip
+        _mma_kernel[(ctas,)](w_desc, x_desc, y, done, src, normw, down, ctas, H=h, FF=ff, L=layers, YMAX=ymax,
+                             XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, num_warps=4, maxnreg=128)  # fmt: skip
 
     walk()
     torch.cuda.synchronize()
@@ -427,6 +475,7 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, ntok, replays) -> d
         "ctas": ctas,
         "tokens": ntok,
         "dependent": bool(dep),
+        "x_built_in_smem": bool(xsrc),
         "ms": round(ms, 4),
         "tb_s": round(w.numel() * 2 / ms / 1e9, 3),
         "max_err": err,
@@ -444,8 +493,8 @@ def main() -> None:
     ap.add_argument("--ctas-per-sm", type=int, default=2)
     ap.add_argument("--kernels", nargs="+", default=["ring", "ws"], help="ring or ws (loader warp)")
     ap.add_argument("--loader-regs", type=int, default=40)
-    ap.add_argument("--mma", nargs="*", default=["256:4:1:0", "256:4:1:1", "128:4:2:0", "128:4:2:1"],
-                    help="tensor-core walks, tile columns:buffers:CTAs per SM:dependent")  # fmt: skip
+    ap.add_argument("--mma", nargs="*", default=["256:4:1:0:0", "256:4:1:1:0", "256:3:1:1:1", "256:4:1:1:1"],
+                    help="tensor-core walks: tile columns:buffers:CTAs per SM:dependent:x built")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=8, help="activation rows of the tensor-core walk")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
