@@ -284,7 +284,8 @@ def _mma_wloader(w_desc, ring, wready, empty, G, H: gl.constexpr, FF: gl.constex
 
 @gluon.jit
 def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF: gl.constexpr,
-                 L: gl.constexpr, NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr):  # fmt: skip
+                 L: gl.constexpr, NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr,
+                 FIN: gl.constexpr):  # fmt: skip
     # One warp: the activation slices (XSRC=0). DEP=1: a matrix's first slice waits until every CTA has
     # finished the matrix before it (done counters), as a matrix's input is its predecessor's output.
     NTOK: gl.constexpr = x_desc.block_type.shape[0]
@@ -303,8 +304,12 @@ def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF:
         m = layer * 4 + seg
         if DEP:  # noqa: SIM102 (a constexpr branch)
             if (s == 0) & (m > 0):
-                while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
-                    pass
+                if FIN:  # the last finisher's flag: the next input is written
+                    while gl.atomic_add(done_ptr + L * 4 + m - 1, 0, sem="acquire") == 0:
+                        pass
+                else:
+                    while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
+                        pass
         mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [m * NTOK, kcol], xready.index(slot), xring.index(slot))
 
@@ -335,10 +340,31 @@ def _build_act(act, m, seg, src_ptr, normw_ptr, down_ptr, H: gl.constexpr, XMAX:
 
 
 @gluon.jit
-def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, ring, xring, act, wready, xready, empty, G,
-                  H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr,
-                  NBUF: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr,
-                  DEP: gl.constexpr, XSRC: gl.constexpr):  # fmt: skip
+def _finalize(y_ptr, fin_ptr, normw_ptr, m, H: gl.constexpr, YMAX: gl.constexpr, NTOK: gl.constexpr,
+              TC: gl.constexpr):  # fmt: skip
+    # FIN=1: the last CTA to finish matrix m turns its output into the next input, once, for everyone:
+    # bf16(RMSNorm(y[m][:H]) * normw) into fin[m] (scratch: the timed walk's inputs stay as they were).
+    CH: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    rows = gl.arange(0, NTOK, layout=gl.SliceLayout(1, CH))
+    cols = gl.arange(0, TC, layout=gl.SliceLayout(0, CH))
+    src = y_ptr + m * YMAX * NTOK + cols[None, :] * NTOK + rows[:, None]
+    ss = gl.zeros([NTOK], gl.float32, gl.SliceLayout(1, CH))
+    for k in gl.static_range(H // TC):
+        v = gl.load(src + k * TC * NTOK, cache_modifier=".cg")
+        ss += gl.sum(v * v, axis=1)
+    inv = gl.rsqrt(ss / H + 1e-6)
+    dst = fin_ptr + m * NTOK * H + rows[:, None] * H + cols[None, :]
+    for k in gl.static_range(H // TC):
+        wk = gl.load(normw_ptr + k * TC + cols).to(gl.float32)
+        v = gl.load(src + k * TC * NTOK, cache_modifier=".cg")
+        gl.store(dst + k * TC, (v * inv[:, None] * wk[None, :]).to(gl.bfloat16))
+
+
+@gluon.jit
+def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ring, xring, act, wready, xready,
+                  empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr,
+                  XMAX: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr,
+                  TC: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
     # 4 warps (one warpgroup): one wgmma per slot, [TR, TC] x [TC, NTOK], straight from shared memory;
     # a group's sum is added into y when its last tile in this CTA's range is done (ranges split groups);
     # after its range of a matrix, the CTA counts itself done with it.
@@ -381,16 +407,22 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, ring, xring, ac
             gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], acc, sem="relaxed")
         if s == n - 1:
             gl.thread_barrier()  # every warp's adds are issued before the release below
-            gl.atomic_add(done_ptr + m, 1, sem="release")
+            if FIN:
+                if gl.atomic_add(done_ptr + m, 1, sem="acq_rel") == G - 1:
+                    _finalize(y_ptr, fin_ptr, normw_ptr, m, H, YMAX, NTOK, TC)
+                    gl.thread_barrier()
+                    gl.atomic_xchg(done_ptr + L * 4 + m, 1, sem="release")
+            else:
+                gl.atomic_add(done_ptr + m, 1, sem="release")
 
 
 @gluon.jit
-def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, G, H: gl.constexpr,
+def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, G, H: gl.constexpr,
                 FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr, NBUF: gl.constexpr,
-                DEP: gl.constexpr, XSRC: gl.constexpr):  # fmt: skip
+                DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
     # The walk on tensor cores, balanced: every CTA streams the same number of tiles of every matrix.
-    # done_ptr: L * 4 int32 counters, zero at launch. XSRC=0: activations by TMA, per tile, from x_desc;
-    # 1: built by the CTA in shared memory at each matrix's start (_build_act).
+    # done_ptr: 2 * L * 4 int32 (counters, then FIN's flags), zero at launch. XSRC=0: activations by TMA,
+    # per tile, from x_desc; 1: built by the CTA in shared memory at each matrix's start (_build_act).
     TR: gl.constexpr = w_desc.block_type.shape[0]
     TC: gl.constexpr = w_desc.block_type.shape[1]
     NTOK: gl.constexpr = x_desc.block_type.shape[0]
@@ -405,10 +437,10 @@ def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, G
         mbarrier.init(xready.index(k), count=1)
         mbarrier.init(empty.index(k), count=1)
     gl.warp_specialize([
-        (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, ring, xring, act, wready, xready,
-                         empty, G, H, FF, L, YMAX, XMAX, NBUF, NTOK, TR, TC, DEP, XSRC)),
+        (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ring, xring, act, wready,
+                         xready, empty, G, H, FF, L, YMAX, XMAX, NBUF, NTOK, TR, TC, DEP, XSRC, FIN)),
         (_mma_wloader, (w_desc, ring, wready, empty, G, H, FF, L, NBUF)),
-        (_mma_xloader, (x_desc, done_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC)),
+        (_mma_xloader, (x_desc, done_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC, FIN)),
     ], [1, 1], [40, 40])  # fmt: skip
 
 
@@ -433,7 +465,7 @@ def reference(w: torch.Tensor, x: torch.Tensor, h: int, ff: int, layers: int) ->
     return y
 
 
-def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, ntok, replays) -> dict:
+def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, replays) -> dict:
     """Time the balanced tensor-core walk over w for ntok activation rows; check it against torch."""
     rpl, chunks = packed_rows(h, ff)
     xmax, ymax = chunks * h, max(3 * h, 2 * ff)
@@ -457,12 +489,14 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, ntok, replays
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
     y = torch.zeros(layers, 4, ymax, ntok, device="cuda")
-    done = torch.zeros(layers * 4, device="cuda", dtype=torch.int32)
+    done = torch.zeros(2 * layers * 4, device="cuda", dtype=torch.int32)
+    fin_out = torch.empty(layers * 4, ntok, h, device="cuda", dtype=torch.bfloat16)
 
     def walk():
         done.zero_()
-        _mma_kernel[(ctas,)](w_desc, x_desc, y, done, src, normw, down, ctas, H=h, FF=ff, L=layers, YMAX=ymax,
-                             XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, num_warps=4, maxnreg=128)  # fmt: skip
+        _mma_kernel[(ctas,)](w_desc, x_desc, y, done, src, normw, down, fin_out, ctas, H=h, FF=ff, L=layers,
+                             YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin, num_warps=4,
+                             maxnreg=128)  # fmt: skip
 
     walk()
     torch.cuda.synchronize()
@@ -476,6 +510,7 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, ntok, replays
         "tokens": ntok,
         "dependent": bool(dep),
         "x_built_in_smem": bool(xsrc),
+        "last_finisher_norm": bool(fin),
         "ms": round(ms, 4),
         "tb_s": round(w.numel() * 2 / ms / 1e9, 3),
         "max_err": err,
@@ -493,8 +528,8 @@ def main() -> None:
     ap.add_argument("--ctas-per-sm", type=int, default=2)
     ap.add_argument("--kernels", nargs="+", default=["ring", "ws"], help="ring or ws (loader warp)")
     ap.add_argument("--loader-regs", type=int, default=40)
-    ap.add_argument("--mma", nargs="*", default=["256:4:1:0:0", "256:4:1:1:0", "256:3:1:1:1", "256:4:1:1:1"],
-                    help="tensor-core walks: tile columns:buffers:CTAs per SM:dependent:x built")  # fmt: skip
+    ap.add_argument("--mma", nargs="*", default=["256:4:1:0:0:0", "256:4:1:1:0:0", "256:4:1:1:0:1"],
+                    help="tensor-core walks: columns:buffers:CTAs/SM:dependent:x built:finisher")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=8, help="activation rows of the tensor-core walk")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
