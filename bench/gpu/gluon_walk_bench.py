@@ -1,19 +1,31 @@
-"""The dataflow loop's one-token tile walk written in Gluon: activations from shared memory or L2.
+"""The dataflow loop's tile walk in Gluon: what a walk over every weight of a loop can stream on the H200.
 
-The thirteenth session found the Triton walk (kernels/dataflow.py, FREE: no waits, no workers) bound by
-each tile's activation load from L2: 0.77 ms a loop with them, 0.63 without (docs/benchmarks.md). Triton's
-`tl` API cannot keep a shared buffer across iterations; Gluon can. This kernel walks the same bytes in the
-same order (256 streamers, each a share of every matrix's 16-row groups, [16, 256] TMA tiles in the packed
-row-major layout of dataflow.pack_weights) with an explicit ring of NBUF tile buffers and mbarriers, and
-multiplies each tile by its activation chunk:
-  XSMEM=1  the activation of a matrix is copied into shared memory once, at its first tile;
-  XSMEM=0  each tile loads its chunk from global memory (L2), as the Triton walk does.
-No waits between matrices (the activations are inputs), so the figures compare with the Triton walk
-alone (`dataflow_bench.py --configs 256:4:2:free:row`). Checks every matrix's output against torch
-(fp32 sums in another order: a tolerance), then prints one JSON line per setting.
+The thirteenth session found the Triton walk (kernels/dataflow.py with no waits and no workers) at ~3.2 TB/s
+and suspected each tile's activation load from L2. Triton's `tl` API cannot keep a shared buffer across
+iterations; Gluon can. Three walks over the same packed weights (dataflow.pack_weights: per layer qkv, o,
+gate_up, then down's column chunks stacked as rows), each checking every matrix's output against torch:
 
-Prepared in the thirteenth session and compiled offline for sm_90 (triton 3.6); not yet run on a GPU.
-    python3 -P bench/gpu/gluon_walk_bench.py [--buffers 4 8] [--refill 1 2 4] [--ctas-per-sm 2]
+  ring  one partition, 264 CTAs each a share of every matrix's 16-row groups, [16, 256] TMA tiles in a ring
+        of NBUF buffers refilled REFILL at a time after a CTA barrier; CUDA-core products. The activation
+        either copied into shared memory once per matrix (x_in_smem) or loaded from L2 per tile.
+  ws    the same products, warp-specialized: a loader warp keeps the ring full (ready/empty mbarriers);
+        the activation chunk rides in each slot by TMA, or is loaded from L2.
+  mma   tensor cores and balanced shares: each matrix's [64, TC] tiles numbered group-major, every CTA one
+        contiguous range of them (so a group may be split between CTAs: its sums are added atomically).
+        One wgmma (64 x NTOK x TC, both operands straight from shared memory) per tile; a weight-loader
+        warp and an activation-loader warp. Options: dependent (a matrix's activations wait until every
+        CTA has finished the matrix before it: done counters, as in a fused loop), activations built in
+        shared memory by each CTA (RMSNorm of an fp32 source at every matrix's start), and the last CTA to
+        finish a matrix normalizing its output once for everyone (FIN).
+
+Measured on the H200 in the fourteenth session (docs/benchmarks.md): the ring and ws walks are no faster
+than the Triton one (1.17 / 0.81 ms against 0.78); the mma walk streams a loop's 2.47 GB in 0.59-0.61 ms
+(4.2 TB/s) for 8 or 16 tokens, 0.76 ms with the 96 dependencies of a loop; building activations per CTA
+costs +0.38 ms and a single finishing CTA +2.7 ms a loop.
+
+Compiled offline for sm_90 (triton 3.6). Gluon has no interpreter: the CPU test checks only the reference.
+    python3 -P bench/gpu/gluon_walk_bench.py [--mma COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN ...]
+        [--tokens 8] [--kernels ring ws] [--buffers 4 8] [--refill 1 2 4]
 """
 
 from __future__ import annotations
@@ -526,9 +538,11 @@ def main() -> None:
     ap.add_argument("--buffers", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--refill", type=int, nargs="+", default=[1, 2, 4], help="tiles refilled a CTA barrier")
     ap.add_argument("--ctas-per-sm", type=int, default=2)
-    ap.add_argument("--kernels", nargs="+", default=["ring", "ws"], help="ring or ws (loader warp)")
+    ap.add_argument(
+        "--kernels", nargs="*", default=[], choices=["ring", "ws"], help="CUDA-core walks to run too"
+    )
     ap.add_argument("--loader-regs", type=int, default=40)
-    ap.add_argument("--mma", nargs="*", default=["256:4:1:0:0:0", "256:4:1:1:0:0", "256:4:1:1:0:1"],
+    ap.add_argument("--mma", nargs="*", default=["256:4:1:0:0:0", "256:4:1:1:0:0"],
                     help="tensor-core walks: columns:buffers:CTAs/SM:dependent:x built:finisher")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=8, help="activation rows of the tensor-core walk")
     ap.add_argument("--replays", type=int, default=50)
