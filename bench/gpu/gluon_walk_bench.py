@@ -316,8 +316,13 @@ def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF:
         m = layer * 4 + seg
         if DEP:  # noqa: SIM102 (a constexpr branch)
             if (s == 0) & (m > 0):
-                if FIN:  # the last finisher's flag: the next input is written
+                if FIN == 1:  # the last finisher's flag: the next input is written
                     while gl.atomic_add(done_ptr + L * 4 + m - 1, 0, sem="acquire") == 0:
+                        pass
+                elif FIN == 2:  # every row group of the matrix before is finished
+                    sp = (seg + 3) % 4
+                    groups = gl.where(sp == 0, 3 * H, gl.where(sp == 2, 2 * FF, H)) // 64
+                    while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < groups:
                         pass
                 else:
                     while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
@@ -373,8 +378,20 @@ def _finalize(y_ptr, fin_ptr, normw_ptr, m, H: gl.constexpr, YMAX: gl.constexpr,
 
 
 @gluon.jit
-def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ring, xring, act, wready, xready,
-                  empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr,
+def _group_finish(y_ptr, ss_ptr, xn_ptr, m, g, YMAX: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr):
+    # FIN=2: the CTA whose tiles complete row group g of matrix m reads the group's final sums back, adds
+    # their squares to per-token totals and writes them as bf16 (scratch), as a fused loop's residual step.
+    GL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [4, 1], [0, 1])
+    r = gl.arange(0, TR, layout=gl.SliceLayout(1, GL))
+    n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, GL))
+    v = gl.load(y_ptr + ((m * YMAX + g * TR + r[:, None]) * NTOK + n[None, :]), cache_modifier=".cg")
+    gl.atomic_add(ss_ptr + m * NTOK + n, gl.sum(v * v, axis=0), sem="relaxed")
+    gl.store(xn_ptr + (m * NTOK + n[None, :]) * YMAX + g * TR + r[:, None], v.to(gl.bfloat16))
+
+
+@gluon.jit
+def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ring, xring, act, wready,
+                  xready, empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr,
                   XMAX: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr,
                   TC: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
     # 4 warps (one warpgroup): one wgmma per slot, [TR, TC] x [TC, NTOK], straight from shared memory;
@@ -386,16 +403,19 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ring, 
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NTOK, 16]
     )
+    GMAX: gl.constexpr = 2 * FF // TR  # group counters a matrix (FIN=2)
     lo0, lo1, lo2, lo3, n0, n1, n2, n3, e1, e2, e3, P = _mma_walk_setup(G, H, FF, TR, TC)
     offs_r = gl.arange(0, TR, layout=gl.SliceLayout(1, ACC))
     offs_n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, ACC))
     acc = gl.zeros([TR, NTOK], gl.float32, ACC)
+    b0 = 0  # the first tile of the group being summed
     for i in range(L * P):
         slot = i % NBUF
         tile = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
         layer, seg, s, g, b, bpg, _, _, _ = tile
         n = gl.where(seg == 0, n0, gl.where(seg == 1, n1, gl.where(seg == 2, n2, n3)))
         m = layer * 4 + seg
+        b0 = gl.where((b == 0) | (s == 0), b, b0)
         if XSRC:
             if s == 0:
                 if DEP:  # noqa: SIM102 (a constexpr branch)
@@ -417,9 +437,16 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ring, 
         if (b == bpg - 1) | (s == n - 1):
             rows = m * YMAX + g * TR + offs_r
             gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], acc, sem="relaxed")
-        if s == n - 1:
+            if FIN == 2:  # count the group's tiles; whoever completes it finishes it
+                gl.thread_barrier()
+                gcnt = done_ptr + 2 * L * 4 + m * GMAX + g
+                if gl.atomic_add(gcnt, b - b0 + 1, sem="acq_rel") + b - b0 + 1 == bpg:
+                    _group_finish(y_ptr, ss_ptr, fin_ptr, m, g, YMAX, NTOK, TR)
+                    gl.thread_barrier()
+                    gl.atomic_add(done_ptr + m, 1, sem="release")
+        if (s == n - 1) & (FIN < 2):
             gl.thread_barrier()  # every warp's adds are issued before the release below
-            if FIN:
+            if FIN == 1:
                 if gl.atomic_add(done_ptr + m, 1, sem="acq_rel") == G - 1:
                     _finalize(y_ptr, fin_ptr, normw_ptr, m, H, YMAX, NTOK, TC)
                     gl.thread_barrier()
@@ -429,12 +456,13 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ring, 
 
 
 @gluon.jit
-def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, G, H: gl.constexpr,
-                FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr, NBUF: gl.constexpr,
-                DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
+def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, G,
+                H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr,
+                NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
     # The walk on tensor cores, balanced: every CTA streams the same number of tiles of every matrix.
-    # done_ptr: 2 * L * 4 int32 (counters, then FIN's flags), zero at launch. XSRC=0: activations by TMA,
-    # per tile, from x_desc; 1: built by the CTA in shared memory at each matrix's start (_build_act).
+    # done_ptr: int32 zeros, L * 4 counters, L * 4 flags (FIN=1), L * 4 * 2FF/64 group counters (FIN=2).
+    # XSRC=0: activations by TMA, per tile, from x_desc; 1: built by the CTA in shared memory at each
+    # matrix's start (_build_act).
     TR: gl.constexpr = w_desc.block_type.shape[0]
     TC: gl.constexpr = w_desc.block_type.shape[1]
     NTOK: gl.constexpr = x_desc.block_type.shape[0]
@@ -449,8 +477,8 @@ def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, f
         mbarrier.init(xready.index(k), count=1)
         mbarrier.init(empty.index(k), count=1)
     gl.warp_specialize([
-        (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ring, xring, act, wready,
-                         xready, empty, G, H, FF, L, YMAX, XMAX, NBUF, NTOK, TR, TC, DEP, XSRC, FIN)),
+        (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ring, xring, act,
+                         wready, xready, empty, G, H, FF, L, YMAX, XMAX, NBUF, NTOK, TR, TC, DEP, XSRC, FIN)),
         (_mma_wloader, (w_desc, ring, wready, empty, G, H, FF, L, NBUF)),
         (_mma_xloader, (x_desc, done_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC, FIN)),
     ], [1, 1], [40, 40])  # fmt: skip
@@ -501,18 +529,27 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, re
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
     y = torch.zeros(layers, 4, ymax, ntok, device="cuda")
-    done = torch.zeros(2 * layers * 4, device="cuda", dtype=torch.int32)
-    fin_out = torch.empty(layers * 4, ntok, h, device="cuda", dtype=torch.bfloat16)
+    done = torch.zeros(layers * 4 * (2 + 2 * ff // 64), device="cuda", dtype=torch.int32)
+    fin_out = torch.zeros(layers * 4, ntok, ymax, device="cuda", dtype=torch.bfloat16)
+    ss = torch.zeros(layers * 4, ntok, device="cuda")
 
     def walk():
         done.zero_()
-        _mma_kernel[(ctas,)](w_desc, x_desc, y, done, src, normw, down, fin_out, ctas, H=h, FF=ff, L=layers,
-                             YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin, num_warps=4,
-                             maxnreg=128)  # fmt: skip
+        _mma_kernel[(ctas,)](w_desc, x_desc, y, done, src, normw, down, fin_out, ss, ctas, H=h, FF=ff,
+                             L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin,
+                             num_warps=4, maxnreg=128)  # fmt: skip
 
     walk()
     torch.cuda.synchronize()
     err = float((y[..., : expect.shape[2], :] - expect).abs().max())
+    extra = {}
+    if fin == 2:  # the finishers' sums of squares and bf16 copies of every matrix's outputs
+        want = expect.pow(2).sum(2).view(layers * 4, ntok)
+        extra["ss_rel_err"] = float(((ss - want).abs() / want).max())
+        copies = fin_out.view(layers, 4, ntok, ymax).permute(0, 1, 3, 2).float()
+        rows = torch.tensor([3 * h, h, 2 * ff, h], device="cuda").view(1, 4, 1, 1)
+        written = torch.arange(ymax, device="cuda").view(1, 1, ymax, 1) < rows
+        extra["copy_max_err"] = float(((copies - expect).abs() * written).max())
     ms = replay_ms(capture(walk), replays)  # y keeps adding: only the first run is checked
     return {
         "kernel": "mma",
@@ -522,11 +559,12 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, re
         "tokens": ntok,
         "dependent": bool(dep),
         "x_built_in_smem": bool(xsrc),
-        "last_finisher_norm": bool(fin),
+        "finisher": ["none", "last CTA of a matrix", "CTA completing each row group"][fin],
         "ms": round(ms, 4),
         "tb_s": round(w.numel() * 2 / ms / 1e9, 3),
         "max_err": err,
         "max_ref": float(expect.abs().max()),
+        **extra,
     }
 
 
