@@ -319,7 +319,7 @@ def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF:
                 if FIN == 1:  # the last finisher's flag: the next input is written
                     while gl.atomic_add(done_ptr + L * 4 + m - 1, 0, sem="acquire") == 0:
                         pass
-                elif FIN == 2:  # every row group of the matrix before is finished
+                elif FIN >= 2:  # every row group of the matrix before is finished
                     sp = (seg + 3) % 4
                     groups = gl.where(sp == 0, 3 * H, gl.where(sp == 2, 2 * FF, H)) // 64
                     while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < groups:
@@ -378,10 +378,10 @@ def _finalize(y_ptr, fin_ptr, normw_ptr, m, H: gl.constexpr, YMAX: gl.constexpr,
 
 
 @gluon.jit
-def _group_finish(y_ptr, ss_ptr, xn_ptr, m, g, YMAX: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr):
-    # FIN=2: the CTA whose tiles complete row group g of matrix m reads the group's final sums back, adds
+def _group_finish(y_ptr, ss_ptr, xn_ptr, m, g, YMAX: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr,
+                  GL: gl.constexpr):  # fmt: skip
+    # FIN=2, 3: the CTA whose tiles complete row group g of matrix m reads the group's final sums back, adds
     # their squares to per-token totals and writes them as bf16 (scratch), as a fused loop's residual step.
-    GL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [4, 1], [0, 1])
     r = gl.arange(0, TR, layout=gl.SliceLayout(1, GL))
     n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, GL))
     v = gl.load(y_ptr + ((m * YMAX + g * TR + r[:, None]) * NTOK + n[None, :]), cache_modifier=".cg")
@@ -390,10 +390,52 @@ def _group_finish(y_ptr, ss_ptr, xn_ptr, m, g, YMAX: gl.constexpr, NTOK: gl.cons
 
 
 @gluon.jit
+def _push(q, qfull, qempty, qi, m, g, tiles, bpg, QN: gl.constexpr):
+    # One entry into the finisher warp's queue (a ring of QN slots in shared memory); returns the new count.
+    slot = qi % QN
+    mbarrier.wait(qempty.index(slot), ((qi // QN) & 1) ^ 1)
+    QL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    k = gl.arange(0, 4, layout=QL)
+    q.index(slot).store(gl.where(k == 0, m, gl.where(k == 1, g, gl.where(k == 2, tiles, bpg))))
+    gl.thread_barrier()
+    mbarrier.arrive(qfull.index(slot), count=1)
+    return qi + 1
+
+
+@gluon.jit
+def _mma_finisher(y_ptr, done_ptr, ss_ptr, xn_ptr, q, qfull, qempty, FF: gl.constexpr, L: gl.constexpr,
+                  YMAX: gl.constexpr, NTOK: gl.constexpr, QN: gl.constexpr):  # fmt: skip
+    # FIN=3, one warp: counts each flushed group's tiles and finishes the groups it completes, so the
+    # consumer warps go straight on to their next tile.
+    TR: gl.constexpr = 64
+    GMAX: gl.constexpr = 2 * FF // TR
+    QL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    GL1: gl.constexpr = gl.BlockedLayout([4, 4], [16, 2], [1, 1], [0, 1])
+    k = gl.arange(0, 4, layout=QL)
+    qi = 0
+    m = 0
+    while m >= 0:
+        slot = qi % QN
+        mbarrier.wait(qfull.index(slot), (qi // QN) & 1)
+        e = q.index(slot).load(QL)
+        mbarrier.arrive(qempty.index(slot), count=1)
+        qi += 1
+        m = gl.sum(gl.where(k == 0, e, 0), axis=0)
+        g = gl.sum(gl.where(k == 1, e, 0), axis=0)
+        tiles = gl.sum(gl.where(k == 2, e, 0), axis=0)
+        bpg = gl.sum(gl.where(k == 3, e, 0), axis=0)
+        if m >= 0:  # noqa: SIM102 (a scalar tensor, not a Python bool)
+            if gl.atomic_add(done_ptr + 2 * L * 4 + m * GMAX + g, tiles, sem="acq_rel") + tiles == bpg:
+                _group_finish(y_ptr, ss_ptr, xn_ptr, m, g, YMAX, NTOK, TR, GL1)
+                gl.atomic_add(done_ptr + m, 1, sem="release")
+
+
+@gluon.jit
 def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ring, xring, act, wready,
-                  xready, empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr,
-                  XMAX: gl.constexpr, NBUF: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr,
-                  TC: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
+                  xready, empty, q, qfull, qempty, QN: gl.constexpr, G, H: gl.constexpr, FF: gl.constexpr,
+                  L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr, NBUF: gl.constexpr,
+                  NTOK: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr, DEP: gl.constexpr,
+                  XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
     # 4 warps (one warpgroup): one wgmma per slot, [TR, TC] x [TC, NTOK], straight from shared memory;
     # a group's sum is added into y when its last tile in this CTA's range is done (ranges split groups);
     # after its range of a matrix, the CTA counts itself done with it.
@@ -409,6 +451,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
     offs_n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, ACC))
     acc = gl.zeros([TR, NTOK], gl.float32, ACC)
     b0 = 0  # the first tile of the group being summed
+    qi = 0  # entries pushed to the finisher warp (FIN=3)
     for i in range(L * P):
         slot = i % NBUF
         tile = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
@@ -441,9 +484,12 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
                 gl.thread_barrier()
                 gcnt = done_ptr + 2 * L * 4 + m * GMAX + g
                 if gl.atomic_add(gcnt, b - b0 + 1, sem="acq_rel") + b - b0 + 1 == bpg:
-                    _group_finish(y_ptr, ss_ptr, fin_ptr, m, g, YMAX, NTOK, TR)
+                    GL4: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [4, 1], [0, 1])
+                    _group_finish(y_ptr, ss_ptr, fin_ptr, m, g, YMAX, NTOK, TR, GL4)
                     gl.thread_barrier()
                     gl.atomic_add(done_ptr + m, 1, sem="release")
+            if FIN == 3:  # hand (m, g, tiles, bpg) to the finisher warp and go on
+                qi = _push(q, qfull, qempty, qi, m, g, b - b0 + 1, bpg, QN)
         if (s == n - 1) & (FIN < 2):
             gl.thread_barrier()  # every warp's adds are issued before the release below
             if FIN == 1:
@@ -453,6 +499,8 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
                     gl.atomic_xchg(done_ptr + L * 4 + m, 1, sem="release")
             else:
                 gl.atomic_add(done_ptr + m, 1, sem="release")
+    if FIN == 3:
+        _push(q, qfull, qempty, qi, -1, 0, 0, 0, QN)  # the finisher warp's stop
 
 
 @gluon.jit
@@ -472,16 +520,25 @@ def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, f
     wready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     xready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    QN: gl.constexpr = 16
+    q = gl.allocate_shared_memory(gl.int32, [QN, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    qfull = gl.allocate_shared_memory(gl.int64, [QN, 1], mbarrier.MBarrierLayout())
+    qempty = gl.allocate_shared_memory(gl.int64, [QN, 1], mbarrier.MBarrierLayout())
     for k in gl.static_range(NBUF):
         mbarrier.init(wready.index(k), count=1)
         mbarrier.init(xready.index(k), count=1)
         mbarrier.init(empty.index(k), count=1)
+    for k in gl.static_range(QN):
+        mbarrier.init(qfull.index(k), count=1)
+        mbarrier.init(qempty.index(k), count=1)
     gl.warp_specialize([
         (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ring, xring, act,
-                         wready, xready, empty, G, H, FF, L, YMAX, XMAX, NBUF, NTOK, TR, TC, DEP, XSRC, FIN)),
+                         wready, xready, empty, q, qfull, qempty, QN, G, H, FF, L, YMAX, XMAX, NBUF, NTOK, TR,
+                         TC, DEP, XSRC, FIN)),
         (_mma_wloader, (w_desc, ring, wready, empty, G, H, FF, L, NBUF)),
         (_mma_xloader, (x_desc, done_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC, FIN)),
-    ], [1, 1], [40, 40])  # fmt: skip
+        (_mma_finisher, (y_ptr, done_ptr, ss_ptr, fin_ptr, q, qfull, qempty, FF, L, YMAX, NTOK, QN)),
+    ], [1, 1, 1], [40, 40, 56])  # fmt: skip
 
 
 def packed_rows(h: int, ff: int) -> tuple[int, int]:
@@ -543,7 +600,7 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, re
     torch.cuda.synchronize()
     err = float((y[..., : expect.shape[2], :] - expect).abs().max())
     extra = {}
-    if fin == 2:  # the finishers' sums of squares and bf16 copies of every matrix's outputs
+    if fin >= 2:  # the finishers' sums of squares and bf16 copies of every matrix's outputs
         want = expect.pow(2).sum(2).view(layers * 4, ntok)
         extra["ss_rel_err"] = float(((ss - want).abs() / want).max())
         copies = fin_out.view(layers, 4, ntok, ymax).permute(0, 1, 3, 2).float()
@@ -559,7 +616,7 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, re
         "tokens": ntok,
         "dependent": bool(dep),
         "x_built_in_smem": bool(xsrc),
-        "finisher": ["none", "last CTA of a matrix", "CTA completing each row group"][fin],
+        "finisher": ["none", "last CTA of a matrix", "CTA completing each row group", "a finisher warp"][fin],
         "ms": round(ms, 4),
         "tb_s": round(w.numel() * 2 / ms / 1e9, 3),
         "max_err": err,
