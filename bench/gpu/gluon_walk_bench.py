@@ -404,7 +404,7 @@ def _push(q, qfull, qempty, qi, m, g, tiles, bpg, QN: gl.constexpr):
 
 @gluon.jit
 def _mma_finisher(y_ptr, done_ptr, ss_ptr, xn_ptr, q, qfull, qempty, FF: gl.constexpr, L: gl.constexpr,
-                  YMAX: gl.constexpr, NTOK: gl.constexpr, QN: gl.constexpr):  # fmt: skip
+                  YMAX: gl.constexpr, NTOK: gl.constexpr, QN: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
     # FIN=3, one warp: counts each flushed group's tiles and finishes the groups it completes, so the
     # consumer warps go straight on to their next tile.
     TR: gl.constexpr = 64
@@ -412,22 +412,23 @@ def _mma_finisher(y_ptr, done_ptr, ss_ptr, xn_ptr, q, qfull, qempty, FF: gl.cons
     QL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     GL1: gl.constexpr = gl.BlockedLayout([4, 4], [16, 2], [1, 1], [0, 1])
     k = gl.arange(0, 4, layout=QL)
-    qi = 0
-    m = 0
-    while m >= 0:
-        slot = qi % QN
-        mbarrier.wait(qfull.index(slot), (qi // QN) & 1)
-        e = q.index(slot).load(QL)
-        mbarrier.arrive(qempty.index(slot), count=1)
-        qi += 1
-        m = gl.sum(gl.where(k == 0, e, 0), axis=0)
-        g = gl.sum(gl.where(k == 1, e, 0), axis=0)
-        tiles = gl.sum(gl.where(k == 2, e, 0), axis=0)
-        bpg = gl.sum(gl.where(k == 3, e, 0), axis=0)
-        if m >= 0:  # noqa: SIM102 (a scalar tensor, not a Python bool)
-            if gl.atomic_add(done_ptr + 2 * L * 4 + m * GMAX + g, tiles, sem="acq_rel") + tiles == bpg:
-                _group_finish(y_ptr, ss_ptr, xn_ptr, m, g, YMAX, NTOK, TR, GL1)
-                gl.atomic_add(done_ptr + m, 1, sem="release")
+    if FIN == 3:  # only FIN=3 has a queue to drain
+        qi = 0
+        m = 0
+        while m >= 0:
+            slot = qi % QN
+            mbarrier.wait(qfull.index(slot), (qi // QN) & 1)
+            e = q.index(slot).load(QL)
+            mbarrier.arrive(qempty.index(slot), count=1)
+            qi += 1
+            m = gl.sum(gl.where(k == 0, e, 0), axis=0)
+            g = gl.sum(gl.where(k == 1, e, 0), axis=0)
+            tiles = gl.sum(gl.where(k == 2, e, 0), axis=0)
+            bpg = gl.sum(gl.where(k == 3, e, 0), axis=0)
+            if m >= 0:  # noqa: SIM102 (a scalar tensor, not a Python bool)
+                if gl.atomic_add(done_ptr + 2 * L * 4 + m * GMAX + g, tiles, sem="acq_rel") + tiles == bpg:
+                    _group_finish(y_ptr, ss_ptr, xn_ptr, m, g, YMAX, NTOK, TR, GL1)
+                    gl.atomic_add(done_ptr + m, 1, sem="release")
 
 
 @gluon.jit
@@ -537,7 +538,7 @@ def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, f
                          TC, DEP, XSRC, FIN)),
         (_mma_wloader, (w_desc, ring, wready, empty, G, H, FF, L, NBUF)),
         (_mma_xloader, (x_desc, done_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC, FIN)),
-        (_mma_finisher, (y_ptr, done_ptr, ss_ptr, fin_ptr, q, qfull, qempty, FF, L, YMAX, NTOK, QN)),
+        (_mma_finisher, (y_ptr, done_ptr, ss_ptr, fin_ptr, q, qfull, qempty, FF, L, YMAX, NTOK, QN, FIN)),
     ], [1, 1, 1], [40, 40, 56])  # fmt: skip
 
 
