@@ -15,13 +15,16 @@ gate_up, then down's column chunks stacked as rows), each checking every matrix'
         One wgmma (64 x NTOK x TC, both operands straight from shared memory) per tile; a weight-loader
         warp and an activation-loader warp. Options: dependent (a matrix's activations wait until every
         CTA has finished the matrix before it: done counters, as in a fused loop), activations built in
-        shared memory by each CTA (RMSNorm of an fp32 source at every matrix's start), and the last CTA to
-        finish a matrix normalizing its output once for everyone (FIN).
+        shared memory by each CTA (RMSNorm of an fp32 source at every matrix's start), and finishers
+        (FIN): 1 the last CTA to finish a matrix normalizes its output once for everyone; 2 the CTA whose
+        tiles complete a row group reads it back, adds its squares to per-token sums and writes it as
+        bf16; 3 the same on a finisher warp fed through a queue in shared memory.
 
 Measured on the H200 in the fourteenth session (docs/benchmarks.md): the ring and ws walks are no faster
 than the Triton one (1.17 / 0.81 ms against 0.78); the mma walk streams a loop's 2.47 GB in 0.59-0.61 ms
 (4.2 TB/s) for 8 or 16 tokens, 0.76 ms with the 96 dependencies of a loop; building activations per CTA
-costs +0.38 ms and a single finishing CTA +2.7 ms a loop.
+costs +0.38 ms and a single finishing CTA +2.7 ms a loop; finishing every row group where it completes
++0.21 ms (+0.25 on a finisher warp).
 
 Compiled offline for sm_90 (triton 3.6). Gluon has no interpreter: the CPU test checks only the reference.
     python3 -P bench/gpu/gluon_walk_bench.py [--mma COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN ...]
