@@ -84,6 +84,22 @@ def _tile(i, P, e1, e2, e3, q_lo, o_lo, u_lo, d_lo, H: gl.constexpr, RPL: gl.con
 
 
 @gluon.jit
+def _walk_setup(G, H: gl.constexpr, FF: gl.constexpr):
+    # This CTA's shares of the four matrices' 16-row groups, and its walk's offsets within a layer.
+    NCB: gl.constexpr = H // BC
+    DB: gl.constexpr = (((FF + H - 1) // H) * H) // BC
+    c = gl.program_id(0)
+    q_lo, nq = _share(3 * H // BR, c, G)
+    o_lo, no = _share(H // BR, c, G)
+    u_lo, nu = _share(2 * FF // BR, c, G)
+    d_lo, nd = _share(H // BR, c, G)
+    e1 = nq * NCB
+    e2 = e1 + no * NCB
+    e3 = e2 + nu * NCB
+    return q_lo, o_lo, u_lo, d_lo, e1, e2, e3, e3 + nd * DB
+
+
+@gluon.jit
 def _walk_kernel(w_desc, x_ptr, y_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
                  XMAX: gl.constexpr, YMAX: gl.constexpr, NBUF: gl.constexpr, REFILL: gl.constexpr,
                  XSMEM: gl.constexpr):  # fmt: skip
@@ -95,15 +111,7 @@ def _walk_kernel(w_desc, x_ptr, y_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: 
     RPL: gl.constexpr = 4 * H + 2 * FF + DB * BC
     TILE: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     XL: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])  # a chunk of the activation, copied in
-    c = gl.program_id(0)
-    q_lo, nq = _share(3 * H // BR, c, G)
-    o_lo, no = _share(H // BR, c, G)
-    u_lo, nu = _share(2 * FF // BR, c, G)
-    d_lo, nd = _share(H // BR, c, G)
-    e1 = nq * NCB
-    e2 = e1 + no * NCB
-    e3 = e2 + nu * NCB
-    P = e3 + nd * DB
+    q_lo, o_lo, u_lo, d_lo, e1, e2, e3, P = _walk_setup(G, H, FF)
     T = L * P
 
     ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, BR, BC], w_desc.layout)
@@ -159,15 +167,7 @@ def _ws_loader(w_desc, x_desc, ring, xring, ready, empty, G, H: gl.constexpr, FF
     NCB: gl.constexpr = H // BC
     DB: gl.constexpr = (((FF + H - 1) // H) * H) // BC
     RPL: gl.constexpr = 4 * H + 2 * FF + DB * BC
-    c = gl.program_id(0)
-    q_lo, nq = _share(3 * H // BR, c, G)
-    o_lo, no = _share(H // BR, c, G)
-    u_lo, nu = _share(2 * FF // BR, c, G)
-    d_lo, nd = _share(H // BR, c, G)
-    e1 = nq * NCB
-    e2 = e1 + no * NCB
-    e3 = e2 + nu * NCB
-    P = e3 + nd * DB
+    q_lo, o_lo, u_lo, d_lo, e1, e2, e3, P = _walk_setup(G, H, FF)
     for i in range(L * P):
         slot = i % NBUF
         mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
@@ -191,15 +191,7 @@ def _ws_consumer(x_ptr, y_ptr, ring, xring, ready, empty, G, H: gl.constexpr, FF
     DB: gl.constexpr = (((FF + H - 1) // H) * H) // BC
     RPL: gl.constexpr = 4 * H + 2 * FF + DB * BC
     TILE: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    c = gl.program_id(0)
-    q_lo, nq = _share(3 * H // BR, c, G)
-    o_lo, no = _share(H // BR, c, G)
-    u_lo, nu = _share(2 * FF // BR, c, G)
-    d_lo, nd = _share(H // BR, c, G)
-    e1 = nq * NCB
-    e2 = e1 + no * NCB
-    e3 = e2 + nu * NCB
-    P = e3 + nd * DB
+    q_lo, o_lo, u_lo, d_lo, e1, e2, e3, P = _walk_setup(G, H, FF)
     acc = gl.zeros([BR, BC], gl.float32, TILE)
     offs_r = gl.arange(0, BR, layout=gl.SliceLayout(1, TILE))
     offs_c = gl.arange(0, BC, layout=gl.SliceLayout(0, TILE))
