@@ -24,7 +24,7 @@ Measured on the H200 in the fourteenth session (docs/benchmarks.md): the ring an
 than the Triton one (1.17 / 0.81 ms against 0.78); the mma walk streams a loop's 2.47 GB in 0.59-0.61 ms
 (4.2 TB/s) for 8 or 16 tokens, 0.76 ms with the 96 dependencies of a loop; building activations per CTA
 costs +0.38 ms and a single finishing CTA +2.7 ms a loop; finishing every row group where it completes
-+0.21 ms (+0.25 on a finisher warp).
++0.21 ms (+0.24 on a finisher warp).
 
 Compiled offline for sm_90 (triton 3.6). Gluon has no interpreter: the CPU test checks only the reference.
     python3 -P bench/gpu/gluon_walk_bench.py [--mma COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN ...]
