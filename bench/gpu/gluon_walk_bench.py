@@ -252,8 +252,9 @@ def _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H: gl.constexpr, RPL: gl.conste
 
 
 @gluon.jit
-def _mma_ranges(G, H: gl.constexpr, FF: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr):
-    # This CTA's share of each matrix's tiles: (starts, counts), and the walk's offsets within a layer.
+def _mma_walk_setup(G, H: gl.constexpr, FF: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr):
+    # This CTA's share of each matrix's tiles (starts lo0..lo3, counts n0..n3) and the offsets of its walk
+    # within a layer (e1, e2, e3, P).
     NCT: gl.constexpr = H // TC
     DBT: gl.constexpr = (((FF + H - 1) // H) * H) // TC
     c = gl.program_id(0)
@@ -261,13 +262,6 @@ def _mma_ranges(G, H: gl.constexpr, FF: gl.constexpr, TR: gl.constexpr, TC: gl.c
     lo1, n1 = _share(H // TR * NCT, c, G)
     lo2, n2 = _share(2 * FF // TR * NCT, c, G)
     lo3, n3 = _share(H // TR * DBT, c, G)
-    return lo0, lo1, lo2, lo3, n0, n1, n2, n3
-
-
-@gluon.jit
-def _mma_walk_setup(G, H: gl.constexpr, FF: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr):
-    # This CTA's ranges and the offsets of its walk within a layer: (lo0..lo3, n0..n3, e1, e2, e3, P).
-    lo0, lo1, lo2, lo3, n0, n1, n2, n3 = _mma_ranges(G, H, FF, TR, TC)
     return lo0, lo1, lo2, lo3, n0, n1, n2, n3, n0, n0 + n1, n0 + n1 + n2, n0 + n1 + n2 + n3
 
 
