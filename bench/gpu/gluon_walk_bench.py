@@ -13,8 +13,10 @@ gate_up, then down's column chunks stacked as rows), each checking every matrix'
   mma   tensor cores and balanced shares: each matrix's [64, TC] tiles numbered group-major, every CTA one
         contiguous range of them (so a group may be split between CTAs: its sums are added atomically).
         One wgmma (64 x NTOK x TC, both operands straight from shared memory) per tile; a weight-loader
-        warp and an activation-loader warp. Options: dependent (a matrix's activations wait until every
-        CTA has finished the matrix before it: done counters, as in a fused loop), activations built in
+        warp and an activation-loader warp. Options: dependent (1: a matrix's activations wait until every
+        CTA has finished the matrix before it: done counters, as in a fused loop; 2: each TC-column chunk
+        of the input waits only for the output chunks it is made from, counted per chunk as tiles finish,
+        as a loop with the norms folded into the matmuls could), activations built in
         shared memory by each CTA (RMSNorm of an fp32 source at every matrix's start), and finishers
         (FIN): 1 the last CTA to finish a matrix normalizes its output once for everyone; 2 the CTA whose
         tiles complete a row group reads it back, adds its squares to per-token sums and writes it as
@@ -296,14 +298,21 @@ def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF:
     DBT: gl.constexpr = (((FF + H - 1) // H) * H) // TC
     RPL: gl.constexpr = 4 * H + 2 * FF + DBT * TC
     lo0, lo1, lo2, lo3, _, _, _, _, e1, e2, e3, P = _mma_walk_setup(G, H, FF, TR, TC)
+    seen = 0  # DEP=2: the chunks of this matrix's input already seen complete, a bit each
     for i in range(L * P * (1 - XSRC)):
         slot = i % NBUF
         mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)
-        layer, seg, s, _, _, _, _, _, kcol = _mtile(
+        layer, seg, s, _, b, _, _, _, kcol = _mtile(
             i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC
         )
         m = layer * 4 + seg
-        if DEP:  # noqa: SIM102 (a constexpr branch)
+        if DEP == 2:
+            seen = gl.where(s == 0, 0, seen)
+            if (m > 0) & (((seen >> b) & 1) == 0):
+                _chunk_wait(done_ptr + _chunk_base(L, FF) + (m - 1) * (2 * FF // TR), seg, b, NCT, DBT,
+                            FF // TC, TC // TR)  # fmt: skip
+                seen = seen | (1 << b)
+        if DEP == 1:  # noqa: SIM102 (a constexpr branch)
             if (s == 0) & (m > 0):
                 if FIN == 1:  # the last finisher's flag: the next input is written
                     while gl.atomic_add(done_ptr + L * 4 + m - 1, 0, sem="acquire") == 0:
@@ -318,6 +327,37 @@ def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF:
                         pass
         mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [m * NTOK, kcol], xready.index(slot), xring.index(slot))
+
+
+@gluon.jit
+def _chunk_base(L: gl.constexpr, FF: gl.constexpr):
+    # DEP=2: where the chunk counters start in done_ptr (after the matrix counters, flags, group counters).
+    return 2 * L * 4 + L * 4 * (2 * FF // 64)
+
+
+@gluon.jit
+def _poll(ptr, need):
+    while gl.atomic_add(ptr, 0, sem="acquire") < need:
+        pass
+
+
+@gluon.jit
+def _chunk_wait(cnt, seg, b, NCT: gl.constexpr, DBT: gl.constexpr, FFC: gl.constexpr, GPC: gl.constexpr):
+    # DEP=2: wait until the input chunk b of a matrix of kind seg is complete, i.e. the output chunks it is
+    # made from, of the matrix before (cnt: that matrix's counters of tiles done per TC-row chunk), as in a
+    # loop with the norms folded into the matmuls: qkv's chunk b is down's b (plus scalars); o's is the
+    # attention of head pair b, from q, k and v chunks b; gate_up's is o's b; down's is gate and up's b.
+    if seg == 0:
+        _poll(cnt + b, GPC * DBT)
+    elif seg == 1:
+        _poll(cnt + b, GPC * NCT)
+        _poll(cnt + NCT + b, GPC * NCT)
+        _poll(cnt + 2 * NCT + b, GPC * NCT)
+    elif seg == 2:
+        _poll(cnt + b, GPC * NCT)
+    elif b < FFC:
+        _poll(cnt + b, GPC * NCT)
+        _poll(cnt + FFC + b, GPC * NCT)
 
 
 @gluon.jit
@@ -451,7 +491,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
         b0 = gl.where((b == 0) | (s == 0), b, b0)
         if XSRC:
             if s == 0:
-                if DEP:  # noqa: SIM102 (a constexpr branch)
+                if DEP == 1:  # noqa: SIM102 (a constexpr branch)
                     if m > 0:
                         while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
                             pass
@@ -470,6 +510,10 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
         if (b == bpg - 1) | (s == n - 1):
             rows = m * YMAX + g * TR + offs_r
             gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], acc, sem="relaxed")
+            if DEP == 2:  # count this CTA's tiles of the group into its TC-row chunk, after the adds
+                gl.thread_barrier()
+                cnt = done_ptr + _chunk_base(L, FF) + m * GMAX + (g * TR) // TC
+                gl.atomic_add(cnt, b - b0 + 1, sem="release")
             if FIN == 2:  # count the group's tiles; whoever completes it finishes it
                 gl.thread_barrier()
                 gcnt = done_ptr + 2 * L * 4 + m * GMAX + g
@@ -576,7 +620,9 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, re
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
     y = torch.zeros(layers, 4, ymax, ntok, device="cuda")
-    done = torch.zeros(layers * 4 * (2 + 2 * ff // 64), device="cuda", dtype=torch.int32)
+    assert dep < 2 or (xsrc == 0 and fin == 0), "chunk dependencies (DEP=2) take activations by TMA, no finisher"
+    assert dep < 2 or (ff % cols == 0 and ((ff + h - 1) // h) * h // cols < 32), "DEP=2: a chunk mask of 32 bits"
+    done = torch.zeros(layers * 4 * (2 + 4 * ff // 64), device="cuda", dtype=torch.int32)
     fin_out = torch.zeros(layers * 4, ntok, ymax, device="cuda", dtype=torch.bfloat16)
     ss = torch.zeros(layers * 4, ntok, device="cuda")
 
@@ -604,7 +650,7 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, re
         "buffers": nbuf,
         "ctas": ctas,
         "tokens": ntok,
-        "dependent": bool(dep),
+        "dependent": ["no", "each matrix on the whole matrix before", "each input chunk on its chunks"][dep],
         "x_built_in_smem": bool(xsrc),
         "finisher": ["none", "last CTA of a matrix", "CTA completing each row group", "a finisher warp"][fin],
         "ms": round(ms, 4),
