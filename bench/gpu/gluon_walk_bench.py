@@ -330,6 +330,14 @@ def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF:
 
 
 @gluon.jit
+def _now():
+    # The GPU's global timer (ns), comparable across SMs.
+    return gl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
 def _chunk_base(L: gl.constexpr, FF: gl.constexpr):
     # DEP=2: where the chunk counters start in done_ptr (after the matrix counters, flags, group counters).
     return 2 * L * 4 + L * 4 * (2 * FF // 64)
@@ -461,11 +469,11 @@ def _mma_finisher(y_ptr, done_ptr, ss_ptr, xn_ptr, q, qfull, qempty, FF: gl.cons
 
 
 @gluon.jit
-def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ring, xring, act, wready,
-                  xready, empty, q, qfull, qempty, QN: gl.constexpr, G, H: gl.constexpr, FF: gl.constexpr,
-                  L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr, NBUF: gl.constexpr,
-                  NTOK: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr, DEP: gl.constexpr,
-                  XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
+def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr, ring, xring, act,
+                  wready, xready, empty, q, qfull, qempty, QN: gl.constexpr, G, H: gl.constexpr,
+                  FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr,
+                  NBUF: gl.constexpr, NTOK: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr,
+                  DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
     # 4 warps (one warpgroup): one wgmma per slot, [TR, TC] x [TC, NTOK], straight from shared memory;
     # a group's sum is added into y when its last tile in this CTA's range is done (ranges split groups);
     # after its range of a matrix, the CTA counts itself done with it.
@@ -504,6 +512,8 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
             mbarrier.wait(xready.index(slot), (i // NBUF) & 1)
             xt = xring.index(slot).permute((1, 0))
         mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
+        if s == 0:  # when this CTA's first tile of matrix m is ready to multiply
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 2, _now())
         acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=(b > 0) & (s > 0), is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index(slot), count=1)
@@ -524,6 +534,8 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
                     gl.atomic_add(done_ptr + m, 1, sem="release")
             if FIN == 3:  # hand (m, g, tiles, bpg) to the finisher warp and go on
                 qi = _push(q, qfull, qempty, qi, m, g, b - b0 + 1, bpg, QN)
+        if s == n - 1:  # when its last tile's sums are added
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 2 + 1, _now())
         if (s == n - 1) & (FIN < 2):
             gl.thread_barrier()  # every warp's adds are issued before the release below
             if FIN == 1:
@@ -538,7 +550,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
 
 
 @gluon.jit
-def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, G,
+def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr, G,
                 H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr,
                 NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
     # The walk on tensor cores, balanced: every CTA streams the same number of tiles of every matrix.
@@ -566,9 +578,9 @@ def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, f
         mbarrier.init(qfull.index(k), count=1)
         mbarrier.init(qempty.index(k), count=1)
     gl.warp_specialize([
-        (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ring, xring, act,
-                         wready, xready, empty, q, qfull, qempty, QN, G, H, FF, L, YMAX, XMAX, NBUF, NTOK, TR,
-                         TC, DEP, XSRC, FIN)),
+        (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr, ring, xring,
+                         act, wready, xready, empty, q, qfull, qempty, QN, G, H, FF, L, YMAX, XMAX, NBUF,
+                         NTOK, TR, TC, DEP, XSRC, FIN)),
         (_mma_wloader, (w_desc, ring, wready, empty, G, H, FF, L, NBUF)),
         (_mma_xloader, (x_desc, done_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC, FIN)),
         (_mma_finisher, (y_ptr, done_ptr, ss_ptr, fin_ptr, q, qfull, qempty, FF, L, YMAX, NTOK, QN, FIN)),
@@ -596,6 +608,24 @@ def reference(w: torch.Tensor, x: torch.Tensor, h: int, ff: int, layers: int) ->
     return y
 
 
+def timeline(ts: torch.Tensor) -> dict:
+    """Medians over a walk's matrices (us) from each CTA's start and end of each (ts [M, CTAs, 2], ns):
+    how far apart the CTAs finish a matrix, how long each waits between its end of one and its start of
+    the next, and how long a matrix takes from the last end before it to its last end."""
+    t = (ts - ts[0, :, 0].min()).double() / 1e3
+    start, end = t[..., 0], t[..., 1]
+    last = end.max(1).values
+    return {
+        "end_spread": round(float((last - end.min(1).values).median()), 3),
+        "end_spread_p90": round(float((last - end.quantile(0.1, dim=1)).median()), 3),
+        "gap_median": round(float((start[1:] - end[:-1]).median()), 3),
+        "gap_after_last_end": round(float((start[1:].max(1).values - last[:-1]).median()), 3),
+        "first_start_after_last_end": round(float((start[1:].min(1).values - last[:-1]).median()), 3),
+        "matrix": [round(float((last[1:] - last[:-1])[k::4].median()), 3) for k in range(4)],
+        "timer_step_ns": int((ts.flatten().unique().diff()).min()),
+    }
+
+
 def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, replays) -> dict:
     """Time the balanced tensor-core walk over w for ntok activation rows; check it against torch."""
     rpl, chunks = packed_rows(h, ff)
@@ -620,15 +650,16 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, re
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
     y = torch.zeros(layers, 4, ymax, ntok, device="cuda")
-    assert dep < 2 or (xsrc == 0 and fin == 0), "chunk dependencies (DEP=2) take activations by TMA, no finisher"
-    assert dep < 2 or (ff % cols == 0 and ((ff + h - 1) // h) * h // cols < 32), "DEP=2: a chunk mask of 32 bits"
+    assert dep < 2 or (xsrc == 0 and fin == 0), "chunk dependencies (DEP=2): activations by TMA, no finisher"
+    assert dep < 2 or (ff % cols == 0 and ((ff + h - 1) // h) * h // cols < 32), "DEP=2: a 32-bit chunk mask"
     done = torch.zeros(layers * 4 * (2 + 4 * ff // 64), device="cuda", dtype=torch.int32)
     fin_out = torch.zeros(layers * 4, ntok, ymax, device="cuda", dtype=torch.bfloat16)
     ss = torch.zeros(layers * 4, ntok, device="cuda")
+    ts = torch.zeros(layers * 4, ctas, 2, device="cuda", dtype=torch.int64)  # starts and ends (ns)
 
     def walk():
         done.zero_()
-        _mma_kernel[(ctas,)](w_desc, x_desc, y, done, src, normw, down, fin_out, ss, ctas, H=h, FF=ff,
+        _mma_kernel[(ctas,)](w_desc, x_desc, y, done, src, normw, down, fin_out, ss, ts, ctas, H=h, FF=ff,
                              L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin,
                              num_warps=4, maxnreg=128)  # fmt: skip
 
@@ -644,6 +675,7 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, re
         written = torch.arange(ymax, device="cuda").view(1, 1, ymax, 1) < rows
         extra["copy_max_err"] = float(((copies - expect).abs() * written).max())
     ms = replay_ms(capture(walk), replays)  # y keeps adding: only the first run is checked
+    extra["timeline_us"] = timeline(ts)
     return {
         "kernel": "mma",
         "tile": wblock,
