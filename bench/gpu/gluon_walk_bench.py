@@ -29,7 +29,7 @@ costs +0.38 ms and a single finishing CTA +2.7 ms a loop; finishing every row gr
 +0.21 ms (+0.24 on a finisher warp).
 
 Compiled offline for sm_90 (triton 3.6). Gluon has no interpreter: the CPU test checks only the reference.
-    python3 -P bench/gpu/gluon_walk_bench.py [--mma COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN ...]
+    python3 -P bench/gpu/gluon_walk_bench.py [--mma COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN[:PF] ...]
         [--tokens 8] [--kernels ring ws] [--buffers 4 8] [--refill 1 2 4]
 """
 
@@ -268,9 +268,10 @@ def _mma_walk_setup(G, H: gl.constexpr, FF: gl.constexpr, TR: gl.constexpr, TC: 
 
 
 @gluon.jit
-def _mma_wloader(w_desc, ring, wready, empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
-                 NBUF: gl.constexpr):  # fmt: skip
-    # One warp: the weight tiles, as far ahead as the ring allows (weights depend on nothing).
+def _mma_wloader(w_desc, w_ptr, ring, wready, empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
+                 NBUF: gl.constexpr, PF: gl.constexpr):  # fmt: skip
+    # One warp: the weight tiles, as far ahead as the ring allows (weights depend on nothing). PF > 0: also
+    # the tile PF further on into L2, so that HBM keeps streaming while a full ring waits for the consumer.
     TR: gl.constexpr = w_desc.block_type.shape[0]
     TC: gl.constexpr = w_desc.block_type.shape[1]
     NCT: gl.constexpr = H // TC
@@ -283,10 +284,26 @@ def _mma_wloader(w_desc, ring, wready, empty, G, H: gl.constexpr, FF: gl.constex
         _, _, _, _, _, _, r, col, _ = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
         mbarrier.expect(wready.index(slot), w_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(w_desc, [r, col], wready.index(slot), ring.index(slot))
+        if PF > 0:  # noqa: SIM102 (a constexpr branch)
+            if i + PF < L * P:
+                _, _, _, _, _, _, r2, col2, _ = _mtile(
+                    i + PF, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC
+                )
+                rows = gl.arange(0, TR, layout=gl.BlockedLayout([TR // 32], [32], [1], [0]))
+                _prefetch_row512(w_ptr + (r2 + rows).to(gl.int64) * H + col2)
 
 
 @gluon.jit
-def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF: gl.constexpr,
+def _prefetch_row512(ptrs):
+    # Each pointer's 512 bytes (a [TR, 256] bf16 tile's row) into L2, no wait.
+    return gl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], 512; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _mma_xloader(x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H: gl.constexpr, FF: gl.constexpr,
                  L: gl.constexpr, NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr,
                  FIN: gl.constexpr):  # fmt: skip
     # One warp: the activation slices (XSRC=0). DEP=1: a matrix's first slice waits until every CTA has
@@ -325,6 +342,8 @@ def _mma_xloader(x_desc, done_ptr, xring, xready, empty, G, H: gl.constexpr, FF:
                 else:
                     while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
                         pass
+        if s == 0:  # when the first activation slice of matrix m is asked for
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 3 + 2, _now())
         mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [m * NTOK, kcol], xready.index(slot), xring.index(slot))
 
@@ -513,7 +532,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
             xt = xring.index(slot).permute((1, 0))
         mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
         if s == 0:  # when this CTA's first tile of matrix m is ready to multiply
-            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 2, _now())
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 3, _now())
         acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=(b > 0) & (s > 0), is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index(slot), count=1)
@@ -535,7 +554,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
             if FIN == 3:  # hand (m, g, tiles, bpg) to the finisher warp and go on
                 qi = _push(q, qfull, qempty, qi, m, g, b - b0 + 1, bpg, QN)
         if s == n - 1:  # when its last tile's sums are added
-            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 2 + 1, _now())
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 3 + 1, _now())
         if (s == n - 1) & (FIN < 2):
             gl.thread_barrier()  # every warp's adds are issued before the release below
             if FIN == 1:
@@ -550,9 +569,10 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
 
 
 @gluon.jit
-def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr, G,
-                H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr,
-                NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
+def _mma_kernel(w_desc, w_ptr, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr,
+                G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr,
+                NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr,
+                PF: gl.constexpr):  # fmt: skip
     # The walk on tensor cores, balanced: every CTA streams the same number of tiles of every matrix.
     # done_ptr: int32 zeros, L * 4 counters, L * 4 flags (FIN=1), L * 4 * 2FF/64 group counters (FIN=2).
     # XSRC=0: activations by TMA, per tile, from x_desc; 1: built by the CTA in shared memory at each
@@ -581,8 +601,8 @@ def _mma_kernel(w_desc, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, f
         (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr, ring, xring,
                          act, wready, xready, empty, q, qfull, qempty, QN, G, H, FF, L, YMAX, XMAX, NBUF,
                          NTOK, TR, TC, DEP, XSRC, FIN)),
-        (_mma_wloader, (w_desc, ring, wready, empty, G, H, FF, L, NBUF)),
-        (_mma_xloader, (x_desc, done_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC, FIN)),
+        (_mma_wloader, (w_desc, w_ptr, ring, wready, empty, G, H, FF, L, NBUF, PF)),
+        (_mma_xloader, (x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC, FIN)),
         (_mma_finisher, (y_ptr, done_ptr, ss_ptr, fin_ptr, q, qfull, qempty, FF, L, YMAX, NTOK, QN, FIN)),
     ], [1, 1, 1], [40, 40, 56])  # fmt: skip
 
@@ -609,11 +629,12 @@ def reference(w: torch.Tensor, x: torch.Tensor, h: int, ff: int, layers: int) ->
 
 
 def timeline(ts: torch.Tensor) -> dict:
-    """Medians over a walk's matrices (us) from each CTA's start and end of each (ts [M, CTAs, 2], ns):
-    how far apart the CTAs finish a matrix, how long each waits between its end of one and its start of
-    the next, and how long a matrix takes from the last end before it to its last end."""
+    """Medians over a walk's matrices (us) from each CTA's start, end and first activation request of each
+    (ts [M, CTAs, 3], ns): how far apart the CTAs finish a matrix, how long each waits between its end of
+    one and its start of the next, when the first activation slices are asked for (after the wait, when
+    dependent) and arrive, and how long a matrix takes from the last end before it to its last end."""
     t = (ts - ts[0, :, 0].min()).double() / 1e3
-    start, end = t[..., 0], t[..., 1]
+    start, end, ask = t[..., 0], t[..., 1], t[..., 2]
     last = end.max(1).values
     return {
         "end_spread": round(float((last - end.min(1).values).median()), 3),
@@ -621,12 +642,14 @@ def timeline(ts: torch.Tensor) -> dict:
         "gap_median": round(float((start[1:] - end[:-1]).median()), 3),
         "gap_after_last_end": round(float((start[1:].max(1).values - last[:-1]).median()), 3),
         "first_start_after_last_end": round(float((start[1:].min(1).values - last[:-1]).median()), 3),
+        "first_ask_after_last_end": round(float((ask[1:].min(1).values - last[:-1]).median()), 3),
+        "start_after_ask": round(float((start - ask).median()), 3),
         "matrix": [round(float((last[1:] - last[:-1])[k::4].median()), 3) for k in range(4)],
         "timer_step_ns": int((ts.flatten().unique().diff()).min()),
     }
 
 
-def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, replays) -> dict:
+def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, pf, ntok, replays) -> dict:
     """Time the balanced tensor-core walk over w for ntok activation rows; check it against torch."""
     rpl, chunks = packed_rows(h, ff)
     xmax, ymax = chunks * h, max(3 * h, 2 * ff)
@@ -651,16 +674,17 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, re
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
     y = torch.zeros(layers, 4, ymax, ntok, device="cuda")
     assert dep < 2 or (xsrc == 0 and fin == 0), "chunk dependencies (DEP=2): activations by TMA, no finisher"
+    assert pf == 0 or cols == 256, "the L2 prefetch takes 512-byte rows"
     assert dep < 2 or (ff % cols == 0 and ((ff + h - 1) // h) * h // cols < 32), "DEP=2: a 32-bit chunk mask"
     done = torch.zeros(layers * 4 * (2 + 4 * ff // 64), device="cuda", dtype=torch.int32)
     fin_out = torch.zeros(layers * 4, ntok, ymax, device="cuda", dtype=torch.bfloat16)
     ss = torch.zeros(layers * 4, ntok, device="cuda")
-    ts = torch.zeros(layers * 4, ctas, 2, device="cuda", dtype=torch.int64)  # starts and ends (ns)
+    ts = torch.zeros(layers * 4, ctas, 3, device="cuda", dtype=torch.int64)  # starts and ends (ns)
 
     def walk():
         done.zero_()
-        _mma_kernel[(ctas,)](w_desc, x_desc, y, done, src, normw, down, fin_out, ss, ts, ctas, H=h, FF=ff,
-                             L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin,
+        _mma_kernel[(ctas,)](w_desc, w, x_desc, y, done, src, normw, down, fin_out, ss, ts, ctas, H=h, FF=ff,
+                             L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin, PF=pf,
                              num_warps=4, maxnreg=128)  # fmt: skip
 
     walk()
@@ -685,12 +709,19 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, ntok, re
         "dependent": ["no", "each matrix on the whole matrix before", "each input chunk on its chunks"][dep],
         "x_built_in_smem": bool(xsrc),
         "finisher": ["none", "last CTA of a matrix", "CTA completing each row group", "a finisher warp"][fin],
+        "l2_prefetch_tiles_ahead": pf,
         "ms": round(ms, 4),
         "tb_s": round(w.numel() * 2 / ms / 1e9, 3),
         "max_err": err,
         "max_ref": float(expect.abs().max()),
         **extra,
     }
+
+
+def _spec(spec: str) -> list[int]:
+    """COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN[:PF] as ints; PF (L2 prefetch distance) 0 if absent."""
+    values = [int(v) for v in spec.split(":")]
+    return values + [0] * (7 - len(values))
 
 
 def main() -> None:
@@ -755,7 +786,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     for spec in args.mma:
         print(
-            json.dumps(mma_walk(w, h, ff, layers, *map(int, spec.split(":")), args.tokens, args.replays)),
+            json.dumps(mma_walk(w, h, ff, layers, *_spec(spec), args.tokens, args.replays)),
             flush=True,
         )
 
