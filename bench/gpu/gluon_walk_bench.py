@@ -29,8 +29,9 @@ costs +0.38 ms and a single finishing CTA +2.7 ms a loop; finishing every row gr
 +0.21 ms (+0.24 on a finisher warp).
 
 Compiled offline for sm_90 (triton 3.6). Gluon has no interpreter: the CPU test checks only the reference.
-    python3 -P bench/gpu/gluon_walk_bench.py [--mma COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN[:PF] ...]
-        [--tokens 8] [--kernels ring ws] [--buffers 4 8] [--refill 1 2 4]
+    python3 -P bench/gpu/gluon_walk_bench.py
+        [--mma COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN[:TILE_MAJOR:PREFETCH] ...] [--tokens 8]
+        [--kernels ring ws] [--buffers 4 8] [--refill 1 2 4]
 """
 
 from __future__ import annotations
@@ -269,9 +270,10 @@ def _mma_walk_setup(G, H: gl.constexpr, FF: gl.constexpr, TR: gl.constexpr, TC: 
 
 @gluon.jit
 def _mma_wloader(w_desc, w_ptr, ring, wready, empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
-                 NBUF: gl.constexpr, PF: gl.constexpr):  # fmt: skip
-    # One warp: the weight tiles, as far ahead as the ring allows (weights depend on nothing). PF > 0: also
-    # the tile PF further on into L2, so that HBM keeps streaming while a full ring waits for the consumer.
+                 NBUF: gl.constexpr, TM: gl.constexpr, PF: gl.constexpr):  # fmt: skip
+    # One warp: the weight tiles, as far ahead as the ring allows (weights depend on nothing). TM: the weights
+    # are stored tile-major (each [TR, TC] tile one contiguous run); PF > 0 (TM only): also the tile PF
+    # further on into L2, one bulk prefetch, so that HBM keeps streaming while a full ring waits.
     TR: gl.constexpr = w_desc.block_type.shape[0]
     TC: gl.constexpr = w_desc.block_type.shape[1]
     NCT: gl.constexpr = H // TC
@@ -283,21 +285,30 @@ def _mma_wloader(w_desc, w_ptr, ring, wready, empty, G, H: gl.constexpr, FF: gl.
         mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
         _, _, _, _, _, _, r, col, _ = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
         mbarrier.expect(wready.index(slot), w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [r, col], wready.index(slot), ring.index(slot))
+        if TM:
+            tma.async_copy_global_to_shared(w_desc, [_tm_row(r, col, H, TR, TC), 0], wready.index(slot),
+                                            ring.index(slot))  # fmt: skip
+        else:
+            tma.async_copy_global_to_shared(w_desc, [r, col], wready.index(slot), ring.index(slot))
         if PF > 0:  # noqa: SIM102 (a constexpr branch)
             if i + PF < L * P:
                 _, _, _, _, _, _, r2, col2, _ = _mtile(
                     i + PF, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC
                 )
-                rows = gl.arange(0, TR, layout=gl.BlockedLayout([TR // 32], [32], [1], [0]))
-                _prefetch_row512(w_ptr + (r2 + rows).to(gl.int64) * H + col2)
+                _prefetch_tile(w_ptr + _tm_row(r2, col2, H, TR, TC).to(gl.int64) * TC)
 
 
 @gluon.jit
-def _prefetch_row512(ptrs):
-    # Each pointer's 512 bytes (a [TR, 256] bf16 tile's row) into L2, no wait.
+def _tm_row(r, col, H: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr):
+    # TM: the first row of tile (r, col) of the packed weights in their tile-major copy ([rows * H / TC, TC]).
+    return ((r // TR) * (H // TC) + col // TC) * TR
+
+
+@gluon.jit
+def _prefetch_tile(ptr):
+    # A [64, 256] bf16 tile (32 KB, contiguous when tile-major) into L2, no wait.
     return gl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], 512; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+        "cp.async.bulk.prefetch.L2.global [$1], 32768; mov.u32 $0, 0;", "=r,l", [ptr], dtype=gl.int32,
         is_pure=False, pack=1,
     )  # fmt: skip
 
@@ -342,6 +353,10 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H: gl.conste
                 else:
                     while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
                         pass
+        if DEP == 3:  # noqa: SIM102 (timing only: a matrix waits for the one two before, hiding the hop)
+            if (s == 0) & (m > 1):
+                while gl.atomic_add(done_ptr + m - 2, 0, sem="acquire") < G:
+                    pass
         if s == 0:  # when the first activation slice of matrix m is asked for
             gl.store(ts_ptr + (m * G + gl.program_id(0)) * 3 + 2, _now())
         mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes)
@@ -572,7 +587,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
 def _mma_kernel(w_desc, w_ptr, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr,
                 G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr,
                 NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr,
-                PF: gl.constexpr):  # fmt: skip
+                TM: gl.constexpr, PF: gl.constexpr):  # fmt: skip
     # The walk on tensor cores, balanced: every CTA streams the same number of tiles of every matrix.
     # done_ptr: int32 zeros, L * 4 counters, L * 4 flags (FIN=1), L * 4 * 2FF/64 group counters (FIN=2).
     # XSRC=0: activations by TMA, per tile, from x_desc; 1: built by the CTA in shared memory at each
@@ -601,7 +616,7 @@ def _mma_kernel(w_desc, w_ptr, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down
         (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr, ring, xring,
                          act, wready, xready, empty, q, qfull, qempty, QN, G, H, FF, L, YMAX, XMAX, NBUF,
                          NTOK, TR, TC, DEP, XSRC, FIN)),
-        (_mma_wloader, (w_desc, w_ptr, ring, wready, empty, G, H, FF, L, NBUF, PF)),
+        (_mma_wloader, (w_desc, w_ptr, ring, wready, empty, G, H, FF, L, NBUF, TM, PF)),
         (_mma_xloader, (x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC, FIN)),
         (_mma_finisher, (y_ptr, done_ptr, ss_ptr, fin_ptr, q, qfull, qempty, FF, L, YMAX, NTOK, QN, FIN)),
     ], [1, 1, 1], [40, 40, 56])  # fmt: skip
@@ -649,7 +664,7 @@ def timeline(ts: torch.Tensor) -> dict:
     }
 
 
-def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, pf, ntok, replays) -> dict:
+def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, tm, pf, ntok, replays) -> dict:
     """Time the balanced tensor-core walk over w for ntok activation rows; check it against torch."""
     rpl, chunks = packed_rows(h, ff)
     xmax, ymax = chunks * h, max(3 * h, 2 * ff)
@@ -664,6 +679,8 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, pf, ntok
     expect = torch.stack([reference(w, x[:, :, n], h, ff, layers) for n in range(ntok)], dim=-1)
     down = x[:, 3].contiguous()  # [L, NTOK, XMAX] bf16
     wblock, xblock = [64, cols], [ntok, cols]
+    if tm:  # tile-major: tile (row group R, column chunk c) at rows (R * H / cols + c) * 64
+        w = w.view(-1, 64, h // cols, cols).transpose(1, 2).contiguous().view(-1, cols)
     w_desc = TensorDescriptor.from_tensor(
         w, wblock, gl.NVMMASharedLayout.get_default_for(wblock, gl.bfloat16)
     )
@@ -674,7 +691,7 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, pf, ntok
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
     y = torch.zeros(layers, 4, ymax, ntok, device="cuda")
     assert dep < 2 or (xsrc == 0 and fin == 0), "chunk dependencies (DEP=2): activations by TMA, no finisher"
-    assert pf == 0 or cols == 256, "the L2 prefetch takes 512-byte rows"
+    assert pf == 0 or (tm and cols == 256), "the L2 prefetch takes a contiguous 32 KB tile"
     assert dep < 2 or (ff % cols == 0 and ((ff + h - 1) // h) * h // cols < 32), "DEP=2: a 32-bit chunk mask"
     done = torch.zeros(layers * 4 * (2 + 4 * ff // 64), device="cuda", dtype=torch.int32)
     fin_out = torch.zeros(layers * 4, ntok, ymax, device="cuda", dtype=torch.bfloat16)
@@ -684,8 +701,8 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, pf, ntok
     def walk():
         done.zero_()
         _mma_kernel[(ctas,)](w_desc, w, x_desc, y, done, src, normw, down, fin_out, ss, ts, ctas, H=h, FF=ff,
-                             L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin, PF=pf,
-                             num_warps=4, maxnreg=128)  # fmt: skip
+                             L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin, TM=tm,
+                             PF=pf, num_warps=4, maxnreg=128)  # fmt: skip
 
     walk()
     torch.cuda.synchronize()
@@ -709,6 +726,7 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, pf, ntok
         "dependent": ["no", "each matrix on the whole matrix before", "each input chunk on its chunks"][dep],
         "x_built_in_smem": bool(xsrc),
         "finisher": ["none", "last CTA of a matrix", "CTA completing each row group", "a finisher warp"][fin],
+        "tile_major": bool(tm),
         "l2_prefetch_tiles_ahead": pf,
         "ms": round(ms, 4),
         "tb_s": round(w.numel() * 2 / ms / 1e9, 3),
@@ -719,9 +737,9 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, pf, ntok
 
 
 def _spec(spec: str) -> list[int]:
-    """COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN[:PF] as ints; PF (L2 prefetch distance) 0 if absent."""
+    """COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN[:TM:PF] as ints; tile-major, L2 prefetch 0 if absent."""
     values = [int(v) for v in spec.split(":")]
-    return values + [0] * (7 - len(values))
+    return values + [0] * (8 - len(values))
 
 
 def main() -> None:
