@@ -30,8 +30,8 @@ costs +0.38 ms and a single finishing CTA +2.7 ms a loop; finishing every row gr
 
 Compiled offline for sm_90 (triton 3.6). Gluon has no interpreter: the CPU test checks only the reference.
     python3 -P bench/gpu/gluon_walk_bench.py
-        [--mma COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN[:TILE_MAJOR:PREFETCH] ...] [--tokens 8]
-        [--kernels ring ws] [--buffers 4 8] [--refill 1 2 4]
+        [--mma COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN[:TILE_MAJOR:PREFETCH:IN_FLIGHT] ...]
+        [--tokens 8] [--kernels ring ws] [--buffers 4 8] [--refill 1 2 4]
 """
 
 from __future__ import annotations
@@ -270,10 +270,12 @@ def _mma_walk_setup(G, H: gl.constexpr, FF: gl.constexpr, TR: gl.constexpr, TC: 
 
 @gluon.jit
 def _mma_wloader(w_desc, w_ptr, ring, wready, empty, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr,
-                 NBUF: gl.constexpr, TM: gl.constexpr, PF: gl.constexpr):  # fmt: skip
+                 NBUF: gl.constexpr, TM: gl.constexpr, PF: gl.constexpr, INFLIGHT: gl.constexpr):  # fmt: skip
     # One warp: the weight tiles, as far ahead as the ring allows (weights depend on nothing). TM: the weights
     # are stored tile-major (each [TR, TC] tile one contiguous run); PF > 0 (TM only): also the tile PF
-    # further on into L2, one bulk prefetch, so that HBM keeps streaming while a full ring waits.
+    # further on into L2, one bulk prefetch, so that HBM keeps streaming while a full ring waits. INFLIGHT <
+    # NBUF: at most INFLIGHT tiles requested and not yet landed, so that the ring's other slots fill while the
+    # consumer waits (a deeper ring alone only queues more requests in the memory system).
     TR: gl.constexpr = w_desc.block_type.shape[0]
     TC: gl.constexpr = w_desc.block_type.shape[1]
     NCT: gl.constexpr = H // TC
@@ -283,6 +285,9 @@ def _mma_wloader(w_desc, w_ptr, ring, wready, empty, G, H: gl.constexpr, FF: gl.
     for i in range(L * P):
         slot = i % NBUF
         mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
+        if INFLIGHT < NBUF:  # noqa: SIM102 (a constexpr branch)
+            if i >= INFLIGHT:
+                mbarrier.wait(wready.index((i - INFLIGHT) % NBUF), ((i - INFLIGHT) // NBUF) & 1)
         _, _, _, _, _, _, r, col, _ = _mtile(i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC)
         mbarrier.expect(wready.index(slot), w_desc.block_type.nbytes)
         if TM:
@@ -587,7 +592,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
 def _mma_kernel(w_desc, w_ptr, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr,
                 G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr,
                 NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr,
-                TM: gl.constexpr, PF: gl.constexpr):  # fmt: skip
+                TM: gl.constexpr, PF: gl.constexpr, INFLIGHT: gl.constexpr):  # fmt: skip
     # The walk on tensor cores, balanced: every CTA streams the same number of tiles of every matrix.
     # done_ptr: int32 zeros, L * 4 counters, L * 4 flags (FIN=1), L * 4 * 2FF/64 group counters (FIN=2).
     # XSRC=0: activations by TMA, per tile, from x_desc; 1: built by the CTA in shared memory at each
@@ -616,7 +621,7 @@ def _mma_kernel(w_desc, w_ptr, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down
         (_mma_consumer, (y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr, ring, xring,
                          act, wready, xready, empty, q, qfull, qempty, QN, G, H, FF, L, YMAX, XMAX, NBUF,
                          NTOK, TR, TC, DEP, XSRC, FIN)),
-        (_mma_wloader, (w_desc, w_ptr, ring, wready, empty, G, H, FF, L, NBUF, TM, PF)),
+        (_mma_wloader, (w_desc, w_ptr, ring, wready, empty, G, H, FF, L, NBUF, TM, PF, INFLIGHT)),
         (_mma_xloader, (x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC, FIN)),
         (_mma_finisher, (y_ptr, done_ptr, ss_ptr, fin_ptr, q, qfull, qempty, FF, L, YMAX, NTOK, QN, FIN)),
     ], [1, 1, 1], [40, 40, 56])  # fmt: skip
@@ -664,7 +669,9 @@ def timeline(ts: torch.Tensor) -> dict:
     }
 
 
-def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, tm, pf, ntok, replays) -> dict:
+def mma_walk(
+    w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, tm, pf, inflight, ntok, replays
+) -> dict:
     """Time the balanced tensor-core walk over w for ntok activation rows; check it against torch."""
     rpl, chunks = packed_rows(h, ff)
     xmax, ymax = chunks * h, max(3 * h, 2 * ff)
@@ -702,7 +709,7 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, tm, pf, 
         done.zero_()
         _mma_kernel[(ctas,)](w_desc, w, x_desc, y, done, src, normw, down, fin_out, ss, ts, ctas, H=h, FF=ff,
                              L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin, TM=tm,
-                             PF=pf, num_warps=4, maxnreg=128)  # fmt: skip
+                             PF=pf, INFLIGHT=inflight or nbuf, num_warps=4, maxnreg=128)  # fmt: skip
 
     walk()
     torch.cuda.synchronize()
@@ -723,11 +730,12 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, tm, pf, 
         "buffers": nbuf,
         "ctas": ctas,
         "tokens": ntok,
-        "dependent": ["no", "each matrix on the whole matrix before", "each input chunk on its chunks"][dep],
+        "dependent": DEPENDENCIES[dep],
         "x_built_in_smem": bool(xsrc),
         "finisher": ["none", "last CTA of a matrix", "CTA completing each row group", "a finisher warp"][fin],
         "tile_major": bool(tm),
         "l2_prefetch_tiles_ahead": pf,
+        "in_flight": inflight or nbuf,
         "ms": round(ms, 4),
         "tb_s": round(w.numel() * 2 / ms / 1e9, 3),
         "max_err": err,
@@ -736,10 +744,13 @@ def mma_walk(w, h, ff, layers, cols, nbuf, ctas_per_sm, dep, xsrc, fin, tm, pf, 
     }
 
 
+DEPENDENCIES = ["no", "on the matrix before", "each input chunk on its chunks", "on the matrix two before"]
+
+
 def _spec(spec: str) -> list[int]:
-    """COLS:BUFFERS:CTAS_PER_SM:DEPENDENT:X_BUILT:FIN[:TM:PF] as ints; tile-major, L2 prefetch 0 if absent."""
+    """A --mma spec as ints: the fields left out are 0 (INFLIGHT 0 means NBUF)."""
     values = [int(v) for v in spec.split(":")]
-    return values + [0] * (8 - len(values))
+    return values + [0] * (9 - len(values))
 
 
 def main() -> None:
