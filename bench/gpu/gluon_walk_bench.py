@@ -362,6 +362,11 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H: gl.conste
             if (s == 0) & (m > 1):
                 while gl.atomic_add(done_ptr + m - 2, 0, sem="acquire") < G:
                     pass
+        if DEP == 4:  # noqa: SIM102 (timing only: two hops a layer, at qkv and gate_up, as a loop whose
+            # attention and down read what the same CTAs produced would have)
+            if (s == 0) & (m > 0) & ((seg == 0) | (seg == 2)):
+                while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
+                    pass
         if s == 0:  # when the first activation slice of matrix m is asked for
             gl.store(ts_ptr + (m * G + gl.program_id(0)) * 3 + 2, _now())
         mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes)
@@ -744,7 +749,13 @@ def mma_walk(
     }
 
 
-DEPENDENCIES = ["no", "on the matrix before", "each input chunk on its chunks", "on the matrix two before"]
+DEPENDENCIES = [
+    "no",
+    "on the matrix before",
+    "each input chunk on its chunks",
+    "on the matrix two before",
+    "qkv and gate_up on the matrix before",
+]
 
 
 def _spec(spec: str) -> list[int]:
