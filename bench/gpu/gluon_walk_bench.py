@@ -702,9 +702,9 @@ def mma_walk(
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
     y = torch.zeros(layers, 4, ymax, ntok, device="cuda")
-    assert dep < 2 or (xsrc == 0 and fin == 0), "chunk dependencies (DEP=2): activations by TMA, no finisher"
+    assert dep < 2 or (xsrc == 0 and fin == 0), "DEP >= 2: activations by TMA, no finisher"
     assert pf == 0 or (tm and cols == 256), "the L2 prefetch takes a contiguous 32 KB tile"
-    assert dep < 2 or (ff % cols == 0 and ((ff + h - 1) // h) * h // cols < 32), "DEP=2: a 32-bit chunk mask"
+    assert dep != 2 or (ff % cols == 0 and ((ff + h - 1) // h) * h // cols < 32), "DEP=2: a 32-bit chunk mask"
     done = torch.zeros(layers * 4 * (2 + 4 * ff // 64), device="cuda", dtype=torch.int32)
     fin_out = torch.zeros(layers * 4, ntok, ymax, device="cuda", dtype=torch.bfloat16)
     ss = torch.zeros(layers * 4, ntok, device="cuda")
