@@ -1,4 +1,5 @@
-"""bench/gpu/gluon_walk_bench.py's oracle: its torch reference of the packed walk equals the dense matmuls.
+"""bench/gpu/gluon_walk_bench.py's oracle and summaries: its torch reference of the packed walk equals the
+dense matmuls, and its timeline summary of the CTAs' global-timer stamps reads them right.
 
 The Gluon kernel itself needs a Hopper GPU (Gluon has no interpreter); on the GPU the benchmark checks it
 against this reference. Here the reference is checked on the CPU against the unpacked matrices.
@@ -31,3 +32,27 @@ def test_reference_equals_the_dense_matmuls():
         down = lw[4 * h + 2 * ff :].view(chunks, h, h).permute(1, 0, 2).reshape(h, chunks * h)
         torch.testing.assert_close(y[layer, 3, :h], down @ x[layer, 3, : chunks * h])
         assert not y[layer, 3, h:].any()  # nothing past down's outputs
+
+
+def test_timeline_summarizes_each_ctas_stamps():
+    # 8 matrices, 2 CTAs; CTA c asks for matrix m's activations at 10m + c us, starts it 1 us later and
+    # ends it at 10m + 5 + 2c: so the CTAs end 2 us apart, and the last end is 3 us before the next asks.
+    m = torch.arange(8).view(8, 1)
+    c = torch.arange(2).view(1, 2)
+    us = torch.stack([10 * m + 1 + c, 10 * m + 5 + 2 * c, 10 * m + c], dim=-1)  # start, end, ask
+    ts = us.to(torch.int64) * 1000 + 123_456  # ns, from an arbitrary origin
+    t = gw.timeline(ts)
+    assert t["end_spread"] == 2.0
+    assert t["end_spread_p90"] == 1.8
+    assert t["gap_median"] == 5.0  # 6 us for CTA 0, 5 for CTA 1: the lower median
+    assert t["gap_after_last_end"] == 5.0
+    assert t["first_start_after_last_end"] == 4.0
+    assert t["first_ask_after_last_end"] == 3.0
+    assert t["start_after_ask"] == 1.0
+    assert t["matrix"] == [10.0, 10.0, 10.0, 10.0]
+    assert t["timer_step_ns"] == 1000
+
+
+def test_spec_fills_the_fields_left_out_with_zeros():
+    assert gw._spec("256:4:1:1:0:0") == [256, 4, 1, 1, 0, 0, 0, 0, 0]
+    assert gw._spec("256:6:1:1:0:0:0:0:4") == [256, 6, 1, 1, 0, 0, 0, 0, 4]

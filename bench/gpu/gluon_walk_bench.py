@@ -16,17 +16,23 @@ gate_up, then down's column chunks stacked as rows), each checking every matrix'
         warp and an activation-loader warp. Options: dependent (1: a matrix's activations wait until every
         CTA has finished the matrix before it: done counters, as in a fused loop; 2: each TC-column chunk
         of the input waits only for the output chunks it is made from, counted per chunk as tiles finish,
-        as a loop with the norms folded into the matmuls could), activations built in
+        as a loop with the norms folded into the matmuls could; timing only, the inputs being synthetic:
+        3 on the matrix two before, 4 only qkv and gate_up on the matrix before), activations built in
         shared memory by each CTA (RMSNorm of an fp32 source at every matrix's start), and finishers
         (FIN): 1 the last CTA to finish a matrix normalizes its output once for everyone; 2 the CTA whose
         tiles complete a row group reads it back, adds its squares to per-token sums and writes it as
-        bf16; 3 the same on a finisher warp fed through a queue in shared memory.
+        bf16; 3 the same on a finisher warp fed through a queue in shared memory. Also: tile-major
+        weights (TM), an L2 prefetch of the tile PF ahead (TM only), a cap on the tiles in flight below the
+        ring's depth, and each CTA's global-timer stamps of every matrix, summarized as timeline_us.
 
 Measured on the H200 in the fourteenth session (docs/benchmarks.md): the ring and ws walks are no faster
 than the Triton one (1.17 / 0.81 ms against 0.78); the mma walk streams a loop's 2.47 GB in 0.59-0.61 ms
 (4.2 TB/s) for 8 or 16 tokens, 0.76 ms with the 96 dependencies of a loop; building activations per CTA
 costs +0.38 ms and a single finishing CTA +2.7 ms a loop; finishing every row group where it completes
-+0.21 ms (+0.24 on a finisher warp).
++0.21 ms (+0.24 on a finisher warp). Fifteenth session: a hop between two matrices is a ~3 us chain (the
+last CTA's end to the first CTA's start) and costs the walk ~1.8-2.0 us, whatever the ring's depth or tiles in
+flight (L2 prefetch made it slower); waiting for the matrix two before instead, 0.629 ms; two hops a layer
+(DEP=4) 0.712 ms.
 
 Compiled offline for sm_90 (triton 3.6). Gluon has no interpreter: the CPU test checks only the reference.
     python3 -P bench/gpu/gluon_walk_bench.py
