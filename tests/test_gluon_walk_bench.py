@@ -35,12 +35,14 @@ def test_reference_equals_the_dense_matmuls():
 
 
 def test_timeline_summarizes_each_ctas_stamps():
-    # 8 matrices, 2 CTAs; CTA c asks for matrix m's activations at 10m + c us, starts it 1 us later and
-    # ends it at 10m + 5 + 2c: so the CTAs end 2 us apart, and the last end is 3 us before the next asks.
+    # 8 matrices, 2 CTAs; CTA c asks for matrix m's activations at 10m + c us, starts it 1 us later, ends it
+    # at 10m + 5 + 2c and releases it 1.5 us after: so the CTAs end 2 us apart, and the last end is 3 us
+    # before the next asks.
     m = torch.arange(8).view(8, 1)
     c = torch.arange(2).view(1, 2)
-    us = torch.stack([10 * m + 1 + c, 10 * m + 5 + 2 * c, 10 * m + c], dim=-1)  # start, end, ask
-    ts = us.to(torch.int64) * 1000 + 123_456  # ns, from an arbitrary origin
+    end = 10 * m + 5 + 2 * c
+    us = torch.stack([10 * m + 1 + c, end, 10 * m + c, end + 1.5], dim=-1)  # start, end, ask, released
+    ts = (us * 1000).to(torch.int64) + 123_456  # ns, from an arbitrary origin
     t = gw.timeline(ts)
     assert t["end_spread"] == 2.0
     assert t["end_spread_p90"] == 1.8
@@ -49,8 +51,10 @@ def test_timeline_summarizes_each_ctas_stamps():
     assert t["first_start_after_last_end"] == 4.0
     assert t["first_ask_after_last_end"] == 3.0
     assert t["start_after_ask"] == 1.0
+    assert t["released_after_end"] == 1.5
+    assert t["first_ask_after_last_release"] == 1.5
     assert t["matrix"] == [10.0, 10.0, 10.0, 10.0]
-    assert t["timer_step_ns"] == 1000
+    assert t["timer_step_ns"] == 500
 
 
 def test_spec_fills_the_fields_left_out_with_zeros():

@@ -17,7 +17,8 @@ gate_up, then down's column chunks stacked as rows), each checking every matrix'
         CTA has finished the matrix before it: done counters, as in a fused loop; 2: each TC-column chunk
         of the input waits only for the output chunks it is made from, counted per chunk as tiles finish,
         as a loop with the norms folded into the matmuls could; timing only, the inputs being synthetic:
-        3 on the matrix two before, 4 only qkv and gate_up on the matrix before), activations built in
+        3 on the matrix two before, 4 only qkv and gate_up on the matrix before, 5 as 1 but the done counter
+        released without a fence), activations built in
         shared memory by each CTA (RMSNorm of an fp32 source at every matrix's start), and finishers
         (FIN): 1 the last CTA to finish a matrix normalizes its output once for everyone; 2 the CTA whose
         tiles complete a row group reads it back, adds its squares to per-token sums and writes it as
@@ -351,7 +352,7 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H: gl.conste
                 _chunk_wait(done_ptr + _chunk_base(L, FF) + (m - 1) * (2 * FF // TR), seg, b, NCT, DBT,
                             FF // TC, TC // TR)  # fmt: skip
                 seen = seen | (1 << b)
-        if DEP == 1:  # noqa: SIM102 (a constexpr branch)
+        if (DEP == 1) | (DEP == 5):  # noqa: SIM102 (a constexpr branch)
             if (s == 0) & (m > 0):
                 if FIN == 1:  # the last finisher's flag: the next input is written
                     while gl.atomic_add(done_ptr + L * 4 + m - 1, 0, sem="acquire") == 0:
@@ -374,7 +375,7 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H: gl.conste
                 while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
                     pass
         if s == 0:  # when the first activation slice of matrix m is asked for
-            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 3 + 2, _now())
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 2, _now())
         mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [m * NTOK, kcol], xready.index(slot), xring.index(slot))
 
@@ -563,7 +564,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
             xt = xring.index(slot).permute((1, 0))
         mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
         if s == 0:  # when this CTA's first tile of matrix m is ready to multiply
-            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 3, _now())
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4, _now())
         acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=(b > 0) & (s > 0), is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index(slot), count=1)
@@ -585,7 +586,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
             if FIN == 3:  # hand (m, g, tiles, bpg) to the finisher warp and go on
                 qi = _push(q, qfull, qempty, qi, m, g, b - b0 + 1, bpg, QN)
         if s == n - 1:  # when its last tile's sums are added
-            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 3 + 1, _now())
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 1, _now())
         if (s == n - 1) & (FIN < 2):
             gl.thread_barrier()  # every warp's adds are issued before the release below
             if FIN == 1:
@@ -593,8 +594,12 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
                     _finalize(y_ptr, fin_ptr, normw_ptr, m, H, YMAX, NTOK, TC)
                     gl.thread_barrier()
                     gl.atomic_xchg(done_ptr + L * 4 + m, 1, sem="release")
+            elif DEP == 5:  # timing only: no fence before the count, so its adds may land after it
+                gl.atomic_add(done_ptr + m, 1, sem="relaxed")
+                gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 3, _now())
             else:
                 gl.atomic_add(done_ptr + m, 1, sem="release")
+                gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 3, _now())  # its release has left
     if FIN == 3:
         _push(q, qfull, qempty, qi, -1, 0, 0, 0, QN)  # the finisher warp's stop
 
@@ -660,12 +665,13 @@ def reference(w: torch.Tensor, x: torch.Tensor, h: int, ff: int, layers: int) ->
 
 
 def timeline(ts: torch.Tensor) -> dict:
-    """Medians over a walk's matrices (us) from each CTA's start, end and first activation request of each
-    (ts [M, CTAs, 3], ns): how far apart the CTAs finish a matrix, how long each waits between its end of
-    one and its start of the next, when the first activation slices are asked for (after the wait, when
-    dependent) and arrive, and how long a matrix takes from the last end before it to its last end."""
+    """Medians over a walk's matrices (us) from each CTA's start, end, first activation request and release
+    of each (ts [M, CTAs, 4], ns; the release stamped once its counter's add has left, after the fence):
+    how far apart the CTAs finish a matrix, how long each waits between its end of one and its start of
+    the next, how long a release takes, when the first activation slices are asked for (after the wait,
+    when dependent) and arrive, and how long a matrix takes from the last end before it to its last end."""
     t = (ts - ts[0, :, 0].min()).double() / 1e3
-    start, end, ask = t[..., 0], t[..., 1], t[..., 2]
+    start, end, ask, released = t[..., 0], t[..., 1], t[..., 2], t[..., 3]
     last = end.max(1).values
     return {
         "end_spread": round(float((last - end.min(1).values).median()), 3),
@@ -674,6 +680,10 @@ def timeline(ts: torch.Tensor) -> dict:
         "gap_after_last_end": round(float((start[1:].max(1).values - last[:-1]).median()), 3),
         "first_start_after_last_end": round(float((start[1:].min(1).values - last[:-1]).median()), 3),
         "first_ask_after_last_end": round(float((ask[1:].min(1).values - last[:-1]).median()), 3),
+        "released_after_end": round(float((released - end).median()), 3),
+        "first_ask_after_last_release": round(
+            float((ask[1:].min(1).values - released[:-1].max(1).values).median()), 3
+        ),
         "start_after_ask": round(float((start - ask).median()), 3),
         "matrix": [round(float((last[1:] - last[:-1])[k::4].median()), 3) for k in range(4)],
         "timer_step_ns": int((ts.flatten().unique().diff()).min()),
@@ -714,7 +724,7 @@ def mma_walk(
     done = torch.zeros(layers * 4 * (2 + 4 * ff // 64), device="cuda", dtype=torch.int32)
     fin_out = torch.zeros(layers * 4, ntok, ymax, device="cuda", dtype=torch.bfloat16)
     ss = torch.zeros(layers * 4, ntok, device="cuda")
-    ts = torch.zeros(layers * 4, ctas, 3, device="cuda", dtype=torch.int64)  # starts and ends (ns)
+    ts = torch.zeros(layers * 4, ctas, 4, device="cuda", dtype=torch.int64)  # the timeline's stamps (ns)
 
     def walk():
         done.zero_()
@@ -761,6 +771,7 @@ DEPENDENCIES = [
     "each input chunk on its chunks",
     "on the matrix two before",
     "qkv and gate_up on the matrix before",
+    "on the matrix before, released without a fence",
 ]
 
 
