@@ -54,9 +54,30 @@ def test_timeline_summarizes_each_ctas_stamps():
     assert t["released_after_end"] == 1.5
     assert t["first_ask_after_last_release"] == 1.5
     assert t["matrix"] == [10.0, 10.0, 10.0, 10.0]
-    assert t["timer_step_ns"] == 500
+    assert t["timer_step_ns"] == 1000
+    ts[..., 3] = 0  # no releases stamped (DEP >= 6): no release figures
+    assert "released_after_end" not in gw.timeline(ts)
 
 
 def test_spec_fills_the_fields_left_out_with_zeros():
     assert gw._spec("256:4:1:1:0:0") == [256, 4, 1, 1, 0, 0, 0, 0, 0]
     assert gw._spec("256:6:1:1:0:0:0:0:4") == [256, 6, 1, 1, 0, 0, 0, 0, 4]
+
+
+@pytest.mark.parametrize("ctas, h, ff", [(132, 1024, 1408), (7, 256, 704)])
+def test_contributors_counts_the_ctas_whose_ranges_overlap_each_group(ctas, h, ff):
+    # Brute force: CTA c owns tiles [c*T//G, (c+1)*T//G) of each matrix, as the kernel's _share (every
+    # matrix here has at least a tile per CTA, as the ouro-1.4b shapes on 132 SMs do).
+    cols = 64
+    ymax = max(3 * h, 2 * ff)
+    got = gw.contributors(h, ff, cols, ctas, ymax)
+    down_tiles = -(-ff // h) * h // cols
+    for kind, (rows, bpg) in enumerate(
+        [(3 * h, h // cols), (h, h // cols), (2 * ff, h // cols), (h, down_tiles)]
+    ):
+        total = rows // 64 * bpg
+        owner = [c for c in range(ctas) for _ in range((c + 1) * total // ctas - c * total // ctas)]
+        for g in range(rows // 64):
+            want = len(set(owner[g * bpg : (g + 1) * bpg]))
+            assert (got[kind, g * 64 : (g + 1) * 64] == want).all(), (kind, g)
+        assert not got[kind, rows:].any()

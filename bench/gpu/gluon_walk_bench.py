@@ -18,7 +18,9 @@ gate_up, then down's column chunks stacked as rows), each checking every matrix'
         of the input waits only for the output chunks it is made from, counted per chunk as tiles finish,
         as a loop with the norms folded into the matmuls could; timing only, the inputs being synthetic:
         3 on the matrix two before, 4 only qkv and gate_up on the matrix before, 5 as 1 but the done counter
-        released without a fence), activations built in
+        released without a fence; 6: outputs added as int64 words, fixed point above a count of the adds,
+        so that each input chunk waits for its words' counts, with no fence and no counter; 7: the same,
+        only qkv and gate_up waiting), activations built in
         shared memory by each CTA (RMSNorm of an fp32 source at every matrix's start), and finishers
         (FIN): 1 the last CTA to finish a matrix normalizes its output once for everyone; 2 the CTA whose
         tiles complete a row group reads it back, adds its squares to per-token sums and writes it as
@@ -326,7 +328,8 @@ def _prefetch_tile(ptr):
 
 
 @gluon.jit
-def _mma_xloader(x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H: gl.constexpr, FF: gl.constexpr,
+def _mma_xloader(x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, G, H: gl.constexpr,
+                 FF: gl.constexpr, YMAX: gl.constexpr,
                  L: gl.constexpr, NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr,
                  FIN: gl.constexpr):  # fmt: skip
     # One warp: the activation slices (XSRC=0). DEP=1: a matrix's first slice waits until every CTA has
@@ -365,6 +368,12 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H: gl.conste
                 else:
                     while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
                         pass
+        if DEP >= 6:
+            seen = gl.where(s == 0, 0, seen)
+            hop = (m > 0) & ((DEP == 6) | (seg == 0) | (seg == 2))  # 7: only qkv and gate_up wait
+            if hop & (((seen >> b) & 1) == 0):
+                _words_wait(y_ptr, gl.load(ep_ptr), m - 1, seg, b, G, H, FF, YMAX, NTOK, TR, TC, NCT, DBT)
+                seen = seen | (1 << b)
         if DEP == 3:  # noqa: SIM102 (timing only: a matrix waits for the one two before, hiding the hop)
             if (s == 0) & (m > 1):
                 while gl.atomic_add(done_ptr + m - 2, 0, sem="acquire") < G:
@@ -378,6 +387,28 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H: gl.conste
             gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 2, _now())
         mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [m * NTOK, kcol], xready.index(slot), xring.index(slot))
+
+
+@gluon.jit
+def _words_wait(y_ptr, epoch, mp, seg, b, G, H: gl.constexpr, FF: gl.constexpr, YMAX: gl.constexpr,
+                NTOK: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr, NCT: gl.constexpr,
+                DBT: gl.constexpr):  # fmt: skip
+    # DEP=6, 4 warps: wait until output rows [b*TC, (b+1)*TC) of matrix mp (all tokens) hold every CTA's
+    # sum: each word counts its adds in its low 16 bits, so the data is its own flag (no fence, no counter).
+    # A row's adds: one per CTA whose range overlaps its group's tiles, each walk (epoch: walks so far).
+    WL: gl.constexpr = gl.BlockedLayout([TC // 128, NTOK], [32, 1], [4, 1], [1, 0])
+    rows = b * TC + gl.arange(0, TC, layout=gl.SliceLayout(1, WL))
+    toks = gl.arange(0, NTOK, layout=gl.SliceLayout(0, WL))
+    sp = (seg + 3) % 4  # the kind of matrix mp
+    bpg = gl.where(sp == 3, DBT, NCT)
+    total = gl.where(sp == 0, 3 * H, gl.where(sp == 2, 2 * FF, H)) // TR * bpg
+    t0 = (rows // TR) * bpg
+    need = ((((t0 + bpg) * G - 1) // total) - (((t0 + 1) * G - 1) // total) + 1) * epoch
+    ptrs = y_ptr + ((mp * YMAX + rows) * NTOK)[:, None] + toks[None, :]
+    short = 1
+    while short > 0:
+        counts = (gl.load(ptrs, volatile=True) & 65535).to(gl.int32)
+        short = gl.sum(gl.sum((counts < need[:, None]).to(gl.int32), axis=1), axis=0)
 
 
 @gluon.jit
@@ -570,7 +601,11 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
         mbarrier.arrive(empty.index(slot), count=1)
         if (b == bpg - 1) | (s == n - 1):
             rows = m * YMAX + g * TR + offs_r
-            gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], acc, sem="relaxed")
+            if DEP >= 6:  # fixed point (2**-28) above a count of adds in the low 16 bits
+                word = (acc * 268435456.0).to(gl.int64) * 65536 + 1
+                gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], word, sem="relaxed")
+            else:
+                gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], acc, sem="relaxed")
             if DEP == 2:  # count this CTA's tiles of the group into its TC-row chunk, after the adds
                 gl.thread_barrier()
                 cnt = done_ptr + _chunk_base(L, FF) + m * GMAX + (g * TR) // TC
@@ -587,7 +622,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
                 qi = _push(q, qfull, qempty, qi, m, g, b - b0 + 1, bpg, QN)
         if s == n - 1:  # when its last tile's sums are added
             gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 1, _now())
-        if (s == n - 1) & (FIN < 2):
+        if (s == n - 1) & (FIN < 2) & (DEP < 6):
             gl.thread_barrier()  # every warp's adds are issued before the release below
             if FIN == 1:
                 if gl.atomic_add(done_ptr + m, 1, sem="acq_rel") == G - 1:
@@ -606,9 +641,10 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
 
 @gluon.jit
 def _mma_kernel(w_desc, w_ptr, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr, ts_ptr,
-                G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr, XMAX: gl.constexpr,
-                NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr, FIN: gl.constexpr,
-                TM: gl.constexpr, PF: gl.constexpr, INFLIGHT: gl.constexpr):  # fmt: skip
+                ep_ptr, G, H: gl.constexpr, FF: gl.constexpr, L: gl.constexpr, YMAX: gl.constexpr,
+                XMAX: gl.constexpr, NBUF: gl.constexpr, DEP: gl.constexpr, XSRC: gl.constexpr,
+                FIN: gl.constexpr, TM: gl.constexpr, PF: gl.constexpr, INFLIGHT: gl.constexpr,
+                XW: gl.constexpr, XREGS: gl.constexpr):  # fmt: skip
     # The walk on tensor cores, balanced: every CTA streams the same number of tiles of every matrix.
     # done_ptr: int32 zeros, L * 4 counters, L * 4 flags (FIN=1), L * 4 * 2FF/64 group counters (FIN=2).
     # XSRC=0: activations by TMA, per tile, from x_desc; 1: built by the CTA in shared memory at each
@@ -638,9 +674,10 @@ def _mma_kernel(w_desc, w_ptr, x_desc, y_ptr, done_ptr, src_ptr, normw_ptr, down
                          act, wready, xready, empty, q, qfull, qempty, QN, G, H, FF, L, YMAX, XMAX, NBUF,
                          NTOK, TR, TC, DEP, XSRC, FIN)),
         (_mma_wloader, (w_desc, w_ptr, ring, wready, empty, G, H, FF, L, NBUF, TM, PF, INFLIGHT)),
-        (_mma_xloader, (x_desc, done_ptr, ts_ptr, xring, xready, empty, G, H, FF, L, NBUF, DEP, XSRC, FIN)),
+        (_mma_xloader, (x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, G, H, FF, YMAX, L,
+                        NBUF, DEP, XSRC, FIN)),
         (_mma_finisher, (y_ptr, done_ptr, ss_ptr, fin_ptr, q, qfull, qempty, FF, L, YMAX, NTOK, QN, FIN)),
-    ], [1, 1, 1], [40, 40, 56])  # fmt: skip
+    ], [1, XW, 1], [40, XREGS, 56])  # fmt: skip
 
 
 def packed_rows(h: int, ff: int) -> tuple[int, int]:
@@ -673,7 +710,7 @@ def timeline(ts: torch.Tensor) -> dict:
     t = (ts - ts[0, :, 0].min()).double() / 1e3
     start, end, ask, released = t[..., 0], t[..., 1], t[..., 2], t[..., 3]
     last = end.max(1).values
-    return {
+    out = {
         "end_spread": round(float((last - end.min(1).values).median()), 3),
         "end_spread_p90": round(float((last - end.quantile(0.1, dim=1)).median()), 3),
         "gap_median": round(float((start[1:] - end[:-1]).median()), 3),
@@ -686,8 +723,26 @@ def timeline(ts: torch.Tensor) -> dict:
         ),
         "start_after_ask": round(float((start - ask).median()), 3),
         "matrix": [round(float((last[1:] - last[:-1])[k::4].median()), 3) for k in range(4)],
-        "timer_step_ns": int((ts.flatten().unique().diff()).min()),
+        "timer_step_ns": int((ts[..., :3].flatten().unique().diff()).min()),
     }
+    if not ts[..., 3].any():  # nothing released (DEP >= 6: no counters)
+        del out["released_after_end"], out["first_ask_after_last_release"]
+    return out
+
+
+def contributors(h: int, ff: int, cols: int, ctas: int, ymax: int) -> torch.Tensor:
+    """[4, ymax] int64: how many CTAs add into each output row of each matrix kind in the balanced walk
+    (one per CTA whose contiguous range of tiles overlaps the row's group); 0 past a matrix's rows. Every
+    matrix must have at least a tile per CTA (no empty ranges), as _words_wait assumes too."""
+    out = torch.zeros(4, ymax, dtype=torch.int64)
+    nct = h // cols
+    for kind, (rows, bpg) in enumerate([(3 * h, nct), (h, nct), (2 * ff, nct), (h, -(-ff // h) * h // cols)]):
+        total = rows // 64 * bpg
+        assert total >= ctas, "a CTA without tiles of a matrix"
+        t0 = torch.arange(rows // 64) * bpg
+        owners = ((t0 + bpg) * ctas - 1) // total - ((t0 + 1) * ctas - 1) // total + 1
+        out[kind, :rows] = owners.repeat_interleave(64)
+    return out
 
 
 def mma_walk(
@@ -717,7 +772,8 @@ def mma_walk(
         x2, xblock, gl.NVMMASharedLayout.get_default_for(xblock, gl.bfloat16)
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
-    y = torch.zeros(layers, 4, ymax, ntok, device="cuda")
+    y = torch.zeros(layers, 4, ymax, ntok, device="cuda", dtype=torch.int64 if dep >= 6 else torch.float32)
+    epoch = torch.zeros(1, device="cuda", dtype=torch.int32)  # DEP=6: walks so far (words keep adding)
     assert dep < 2 or (xsrc == 0 and fin == 0), "DEP >= 2: activations by TMA, no finisher"
     assert pf == 0 or (tm and cols == 256), "the L2 prefetch takes a contiguous 32 KB tile"
     assert dep != 2 or (ff % cols == 0 and ((ff + h - 1) // h) * h // cols < 32), "DEP=2: a 32-bit chunk mask"
@@ -728,14 +784,20 @@ def mma_walk(
 
     def walk():
         done.zero_()
-        _mma_kernel[(ctas,)](w_desc, w, x_desc, y, done, src, normw, down, fin_out, ss, ts, ctas, H=h, FF=ff,
-                             L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin, TM=tm,
-                             PF=pf, INFLIGHT=inflight or nbuf, num_warps=4, maxnreg=128)  # fmt: skip
+        epoch.add_(1)
+        _mma_kernel[(ctas,)](w_desc, w, x_desc, y, done, src, normw, down, fin_out, ss, ts, epoch, ctas, H=h,
+                             FF=ff, L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin,
+                             TM=tm, PF=pf, INFLIGHT=inflight or nbuf, XW=4 if dep >= 6 else 1,
+                             XREGS=128 if dep >= 6 else 40, num_warps=4, maxnreg=128)  # fmt: skip
 
     walk()
     torch.cuda.synchronize()
-    err = float((y[..., : expect.shape[2], :] - expect).abs().max())
     extra = {}
+    if dep >= 6:  # decode the words; each must count one add per CTA whose range overlaps its group
+        adds = contributors(h, ff, cols, ctas, ymax).to(y.device).view(1, 4, ymax, 1)
+        extra["count_errors"] = int(((y & 65535) != adds).sum())
+        y = (y >> 16).double() / 2**28
+    err = float((y[..., : expect.shape[2], :] - expect).abs().max())
     if fin >= 2:  # the finishers' sums of squares and bf16 copies of every matrix's outputs
         want = expect.pow(2).sum(2).view(layers * 4, ntok)
         extra["ss_rel_err"] = float(((ss - want).abs() / want).max())
@@ -772,6 +834,8 @@ DEPENDENCIES = [
     "on the matrix two before",
     "qkv and gate_up on the matrix before",
     "on the matrix before, released without a fence",
+    "each input chunk on its output words' counts",
+    "qkv and gate_up chunks on their output words' counts",
 ]
 
 
