@@ -793,11 +793,12 @@ def mma_walk(
     walk()
     torch.cuda.synchronize()
     extra = {}
-    if dep >= 6:  # decode the words; each must count one add per CTA whose range overlaps its group
+    sums = y  # the outputs; DEP >= 6: decoded from the words, each of which must count one add per CTA
+    if dep >= 6:  # whose range overlaps its group (y itself stays the kernel's int64 buffer)
         adds = contributors(h, ff, cols, ctas, ymax).to(y.device).view(1, 4, ymax, 1)
         extra["count_errors"] = int(((y & 65535) != adds).sum())
-        y = (y >> 16).double() / 2**28
-    err = float((y[..., : expect.shape[2], :] - expect).abs().max())
+        sums = (y >> 16).double() / 2**28
+    err = float((sums[..., : expect.shape[2], :] - expect).abs().max())
     if fin >= 2:  # the finishers' sums of squares and bf16 copies of every matrix's outputs
         want = expect.pow(2).sum(2).view(layers * 4, ntok)
         extra["ss_rel_err"] = float(((ss - want).abs() / want).max())
