@@ -20,7 +20,8 @@ gate_up, then down's column chunks stacked as rows), each checking every matrix'
         3 on the matrix two before, 4 only qkv and gate_up on the matrix before, 5 as 1 but the done counter
         released without a fence; 6: outputs added as int64 words, fixed point above a count of the adds,
         so that each input chunk waits for its words' counts, with no fence and no counter; 7: the same,
-        only qkv and gate_up waiting), activations built in
+        only qkv and gate_up waiting; 8: as 1, every thread fencing its own adds before the CTA's
+        count), activations built in
         shared memory by each CTA (RMSNorm of an fp32 source at every matrix's start), and finishers
         (FIN): 1 the last CTA to finish a matrix normalizes its output once for everyone; 2 the CTA whose
         tiles complete a row group reads it back, adds its squares to per-token sums and writes it as
@@ -355,7 +356,7 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, 
                 _chunk_wait(done_ptr + _chunk_base(L, FF) + (m - 1) * (2 * FF // TR), seg, b, NCT, DBT,
                             FF // TC, TC // TR)  # fmt: skip
                 seen = seen | (1 << b)
-        if (DEP == 1) | (DEP == 5):  # noqa: SIM102 (a constexpr branch)
+        if (DEP == 1) | (DEP == 5) | (DEP == 8):  # noqa: SIM102 (a constexpr branch)
             if (s == 0) & (m > 0):
                 if FIN == 1:  # the last finisher's flag: the next input is written
                     while gl.atomic_add(done_ptr + L * 4 + m - 1, 0, sem="acquire") == 0:
@@ -368,7 +369,7 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, 
                 else:
                     while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
                         pass
-        if DEP >= 6:
+        if (DEP == 6) | (DEP == 7):
             seen = gl.where(s == 0, 0, seen)
             hop = (m > 0) & ((DEP == 6) | (seg == 0) | (seg == 2))  # 7: only qkv and gate_up wait
             if hop & (((seen >> b) & 1) == 0):
@@ -409,6 +410,13 @@ def _words_wait(y_ptr, epoch, mp, seg, b, G, H: gl.constexpr, FF: gl.constexpr, 
     while short > 0:
         counts = (gl.load(ptrs, volatile=True) & 65535).to(gl.int32)
         short = gl.sum(gl.sum((counts < need[:, None]).to(gl.int32), axis=1), axis=0)
+
+
+@gluon.jit
+def _fence_gpu():
+    # This thread's earlier writes are visible GPU-wide before its later ones.
+    return gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -601,7 +609,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
         mbarrier.arrive(empty.index(slot), count=1)
         if (b == bpg - 1) | (s == n - 1):
             rows = m * YMAX + g * TR + offs_r
-            if DEP >= 6:  # fixed point (2**-28) above a count of adds in the low 16 bits
+            if (DEP == 6) | (DEP == 7):  # fixed point (2**-28) above a count of adds in the low 16 bits
                 word = (acc * 268435456.0).to(gl.int64) * 65536 + 1
                 gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], word, sem="relaxed")
             else:
@@ -622,14 +630,17 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
                 qi = _push(q, qfull, qempty, qi, m, g, b - b0 + 1, bpg, QN)
         if s == n - 1:  # when its last tile's sums are added
             gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 1, _now())
-        if (s == n - 1) & (FIN < 2) & (DEP < 6):
+        if (s == n - 1) & (FIN < 2) & ((DEP < 6) | (DEP == 8)):
+            if DEP == 8:
+                _fence_gpu()
             gl.thread_barrier()  # every warp's adds are issued before the release below
             if FIN == 1:
                 if gl.atomic_add(done_ptr + m, 1, sem="acq_rel") == G - 1:
                     _finalize(y_ptr, fin_ptr, normw_ptr, m, H, YMAX, NTOK, TC)
                     gl.thread_barrier()
                     gl.atomic_xchg(done_ptr + L * 4 + m, 1, sem="release")
-            elif DEP == 5:  # timing only: no fence before the count, so its adds may land after it
+            elif (DEP == 5) | (DEP == 8):  # 5, timing only: no fence, so the adds may land after the count;
+                # 8: every thread fenced its own adds before the barrier above
                 gl.atomic_add(done_ptr + m, 1, sem="relaxed")
                 gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 3, _now())
             else:
@@ -725,7 +736,7 @@ def timeline(ts: torch.Tensor) -> dict:
         "matrix": [round(float((last[1:] - last[:-1])[k::4].median()), 3) for k in range(4)],
         "timer_step_ns": int((ts[..., :3].flatten().unique().diff()).min()),
     }
-    if not ts[..., 3].any():  # nothing released (DEP >= 6: no counters)
+    if not ts[..., 3].any():  # nothing released (DEP 6, 7: no counters)
         del out["released_after_end"], out["first_ask_after_last_release"]
     return out
 
@@ -772,7 +783,8 @@ def mma_walk(
         x2, xblock, gl.NVMMASharedLayout.get_default_for(xblock, gl.bfloat16)
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
-    y = torch.zeros(layers, 4, ymax, ntok, device="cuda", dtype=torch.int64 if dep >= 6 else torch.float32)
+    words = dep in (6, 7)  # outputs as int64 words that count their adds
+    y = torch.zeros(layers, 4, ymax, ntok, device="cuda", dtype=torch.int64 if words else torch.float32)
     epoch = torch.zeros(1, device="cuda", dtype=torch.int32)  # DEP=6: walks so far (words keep adding)
     assert dep < 2 or (xsrc == 0 and fin == 0), "DEP >= 2: activations by TMA, no finisher"
     assert pf == 0 or (tm and cols == 256), "the L2 prefetch takes a contiguous 32 KB tile"
@@ -787,14 +799,14 @@ def mma_walk(
         epoch.add_(1)
         _mma_kernel[(ctas,)](w_desc, w, x_desc, y, done, src, normw, down, fin_out, ss, ts, epoch, ctas, H=h,
                              FF=ff, L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin,
-                             TM=tm, PF=pf, INFLIGHT=inflight or nbuf, XW=4 if dep >= 6 else 1,
-                             XREGS=128 if dep >= 6 else 40, num_warps=4, maxnreg=128)  # fmt: skip
+                             TM=tm, PF=pf, INFLIGHT=inflight or nbuf, XW=4 if words else 1,
+                             XREGS=128 if words else 40, num_warps=4, maxnreg=128)  # fmt: skip
 
     walk()
     torch.cuda.synchronize()
     extra = {}
-    sums = y  # the outputs; DEP >= 6: decoded from the words, each of which must count one add per CTA
-    if dep >= 6:  # whose range overlaps its group (y itself stays the kernel's int64 buffer)
+    sums = y  # the outputs; DEP 6, 7: decoded from the words, each of which must count one add per CTA
+    if words:  # whose range overlaps its group (y itself stays the kernel's int64 buffer)
         adds = contributors(h, ff, cols, ctas, ymax).to(y.device).view(1, 4, ymax, 1)
         extra["count_errors"] = int(((y & 65535) != adds).sum())
         sums = (y >> 16).double() / 2**28
@@ -837,6 +849,7 @@ DEPENDENCIES = [
     "on the matrix before, released without a fence",
     "each input chunk on its output words' counts",
     "qkv and gate_up chunks on their output words' counts",
+    "on the matrix before, every thread fenced",
 ]
 
 
