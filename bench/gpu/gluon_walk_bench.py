@@ -34,9 +34,10 @@ than the Triton one (1.17 / 0.81 ms against 0.78); the mma walk streams a loop's
 (4.2 TB/s) for 8 or 16 tokens, 0.76 ms with the 96 dependencies of a loop; building activations per CTA
 costs +0.38 ms and a single finishing CTA +2.7 ms a loop; finishing every row group where it completes
 +0.21 ms (+0.24 on a finisher warp). Fifteenth session: a hop between two matrices is a ~3 us chain (the
-last CTA's end to the first CTA's start) and costs the walk ~1.8-2.0 us, whatever the ring's depth or tiles in
-flight (L2 prefetch made it slower); waiting for the matrix two before instead, 0.629 ms; two hops a layer
-(DEP=4) 0.712 ms.
+last CTA's end to the first CTA's start, 2.9 us of it the release's fence) and costs the walk ~1.8-2.0 us,
+whatever the ring's depth or tiles in flight (L2 prefetch made it slower); waiting for the matrix two before
+instead 0.629 ms; two hops a layer (DEP=4) 0.712 ms; no fence (DEP=5, unordered) 0.686; every thread fenced
+(DEP=8) 0.798; words that count their adds (DEP=6, 7) 1.48 / 1.14.
 
 Compiled offline for sm_90 (triton 3.6). Gluon has no interpreter: the CPU test checks only the reference.
     python3 -P bench/gpu/gluon_walk_bench.py
