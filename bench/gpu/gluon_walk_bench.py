@@ -21,7 +21,7 @@ gate_up, then down's column chunks stacked as rows), each checking every matrix'
         released without a fence; 6: outputs added as int64 words, fixed point above a count of the adds,
         so that each input chunk waits for its words' counts, with no fence and no counter; 7: the same,
         only qkv and gate_up waiting; 8: as 1, every thread fencing its own adds before the CTA's
-        count), activations built in
+        count; 9: as 4 with 8's release, and only o and down released), activations built in
         shared memory by each CTA (RMSNorm of an fp32 source at every matrix's start), and finishers
         (FIN): 1 the last CTA to finish a matrix normalizes its output once for everyone; 2 the CTA whose
         tiles complete a row group reads it back, adds its squares to per-token sums and writes it as
@@ -380,8 +380,8 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, 
             if (s == 0) & (m > 1):
                 while gl.atomic_add(done_ptr + m - 2, 0, sem="acquire") < G:
                     pass
-        if DEP == 4:  # noqa: SIM102 (timing only: two hops a layer, at qkv and gate_up, as a loop whose
-            # attention and down read what the same CTAs produced would have)
+        if (DEP == 4) | (DEP == 9):  # noqa: SIM102 (timing only: two hops a layer, at qkv and gate_up,
+            # as a loop whose attention and down read what the same CTAs produced would have)
             if (s == 0) & (m > 0) & ((seg == 0) | (seg == 2)):
                 while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
                     pass
@@ -631,8 +631,9 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
                 qi = _push(q, qfull, qempty, qi, m, g, b - b0 + 1, bpg, QN)
         if s == n - 1:  # when its last tile's sums are added
             gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 1, _now())
-        if (s == n - 1) & (FIN < 2) & ((DEP < 6) | (DEP == 8)):
-            if DEP == 8:
+        releases = (DEP < 6) | (DEP == 8) | ((DEP == 9) & ((seg == 1) | (seg == 3)))  # 9: only o and down
+        if (s == n - 1) & (FIN < 2) & releases:
+            if (DEP == 8) | (DEP == 9):
                 _fence_gpu()
             gl.thread_barrier()  # every warp's adds are issued before the release below
             if FIN == 1:
@@ -640,8 +641,8 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
                     _finalize(y_ptr, fin_ptr, normw_ptr, m, H, YMAX, NTOK, TC)
                     gl.thread_barrier()
                     gl.atomic_xchg(done_ptr + L * 4 + m, 1, sem="release")
-            elif (DEP == 5) | (DEP == 8):  # 5, timing only: no fence, so the adds may land after the count;
-                # 8: every thread fenced its own adds before the barrier above
+            elif (DEP == 5) | (DEP == 8) | (DEP == 9):  # 5, timing only: no fence, so the adds may land after
+                # the count; 8, 9: every thread fenced its own adds before the barrier above
                 gl.atomic_add(done_ptr + m, 1, sem="relaxed")
                 gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 3, _now())
             else:
@@ -851,6 +852,7 @@ DEPENDENCIES = [
     "each input chunk on its output words' counts",
     "qkv and gate_up chunks on their output words' counts",
     "on the matrix before, every thread fenced",
+    "qkv and gate_up on the matrix before, o and down released with every thread fenced",
 ]
 
 
