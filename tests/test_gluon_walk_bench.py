@@ -55,7 +55,10 @@ def test_timeline_summarizes_each_ctas_stamps():
     assert t["first_ask_after_last_release"] == 1.5
     assert t["matrix"] == [10.0, 10.0, 10.0, 10.0]
     assert t["timer_step_ns"] == 1000
-    ts[..., 3] = 0  # no releases stamped (DEP >= 6): no release figures
+    ts[1::2, :, 3] = 0  # every other matrix not released (DEP=9): the figures of those released
+    t = gw.timeline(ts)
+    assert (t["released_after_end"], t["first_ask_after_last_release"]) == (1.5, 1.5)
+    ts[..., 3] = 0  # nothing released (DEP=6, 7): no release figures
     assert "released_after_end" not in gw.timeline(ts)
 
 

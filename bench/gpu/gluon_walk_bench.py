@@ -36,8 +36,8 @@ costs +0.38 ms and a single finishing CTA +2.7 ms a loop; finishing every row gr
 +0.21 ms (+0.24 on a finisher warp). Fifteenth session: a hop between two matrices is a ~3 us chain (the
 last CTA's end to the first CTA's start, 2.9 us of it the release's fence) and costs the walk ~1.8-2.0 us,
 whatever the ring's depth or tiles in flight (L2 prefetch made it slower); waiting for the matrix two before
-instead 0.629 ms; two hops a layer (DEP=4) 0.712 ms; no fence (DEP=5, unordered) 0.686; every thread fenced
-(DEP=8) 0.798; words that count their adds (DEP=6, 7) 1.48 / 1.14.
+instead 0.629 ms; two hops a layer (DEP=4) 0.712 ms, with every thread fenced (DEP=9) 0.713; no fence (DEP=5,
+unordered) 0.686; every thread fenced (DEP=8) 0.798; words that count their adds (DEP=6, 7) 1.48 / 1.14.
 
 Compiled offline for sm_90 (triton 3.6). Gluon has no interpreter: the CPU test checks only the reference.
     python3 -P bench/gpu/gluon_walk_bench.py
@@ -723,6 +723,7 @@ def timeline(ts: torch.Tensor) -> dict:
     t = (ts - ts[0, :, 0].min()).double() / 1e3
     start, end, ask, released = t[..., 0], t[..., 1], t[..., 2], t[..., 3]
     last = end.max(1).values
+    rel = ts[..., 3].all(1)  # the matrices whose done counter every CTA released (DEP 9: o and down)
     out = {
         "end_spread": round(float((last - end.min(1).values).median()), 3),
         "end_spread_p90": round(float((last - end.quantile(0.1, dim=1)).median()), 3),
@@ -730,15 +731,15 @@ def timeline(ts: torch.Tensor) -> dict:
         "gap_after_last_end": round(float((start[1:].max(1).values - last[:-1]).median()), 3),
         "first_start_after_last_end": round(float((start[1:].min(1).values - last[:-1]).median()), 3),
         "first_ask_after_last_end": round(float((ask[1:].min(1).values - last[:-1]).median()), 3),
-        "released_after_end": round(float((released - end).median()), 3),
+        "released_after_end": round(float((released - end)[rel].median()), 3),
         "first_ask_after_last_release": round(
-            float((ask[1:].min(1).values - released[:-1].max(1).values).median()), 3
+            float((ask[1:].min(1).values - released[:-1].max(1).values)[rel[:-1]].median()), 3
         ),
         "start_after_ask": round(float((start - ask).median()), 3),
         "matrix": [round(float((last[1:] - last[:-1])[k::4].median()), 3) for k in range(4)],
         "timer_step_ns": int((ts[..., :3].flatten().unique().diff()).min()),
     }
-    if not ts[..., 3].any():  # nothing released (DEP 6, 7: no counters)
+    if not rel[:-1].any():  # nothing released (DEP 6, 7: no counters)
         del out["released_after_end"], out["first_ask_after_last_release"]
     return out
 
