@@ -21,7 +21,8 @@ gate_up, then down's column chunks stacked as rows), each checking every matrix'
         released without a fence; 6: outputs added as int64 words, fixed point above a count of the adds,
         so that each input chunk waits for its words' counts, with no fence and no counter; 7: the same,
         only qkv and gate_up waiting; 8: as 1, every thread fencing its own adds before the CTA's
-        count; 9: as 4 with 8's release, and only o and down released), activations built in
+        count; 9: as 4 with 8's release, and only o and down released; 10: as 6, polling only the first
+        token's words, as a one-token loop would read), activations built in
         shared memory by each CTA (RMSNorm of an fp32 source at every matrix's start), and finishers
         (FIN): 1 the last CTA to finish a matrix normalizes its output once for everyone; 2 the CTA whose
         tiles complete a row group reads it back, adds its squares to per-token sums and writes it as
@@ -370,11 +371,12 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, 
                 else:
                     while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
                         pass
-        if (DEP == 6) | (DEP == 7):
+        if (DEP == 6) | (DEP == 7) | (DEP == 10):
             seen = gl.where(s == 0, 0, seen)
-            hop = (m > 0) & ((DEP == 6) | (seg == 0) | (seg == 2))  # 7: only qkv and gate_up wait
+            hop = (m > 0) & ((DEP != 7) | (seg == 0) | (seg == 2))  # 7: only qkv and gate_up wait
             if hop & (((seen >> b) & 1) == 0):
-                _words_wait(y_ptr, gl.load(ep_ptr), m - 1, seg, b, G, H, FF, YMAX, NTOK, TR, TC, NCT, DBT)
+                _words_wait(y_ptr, gl.load(ep_ptr), m - 1, seg, b, G, H, FF, YMAX, NTOK,
+                            1 if DEP == 10 else NTOK, TR, TC, NCT, DBT)  # fmt: skip
                 seen = seen | (1 << b)
         if DEP == 3:  # noqa: SIM102 (timing only: a matrix waits for the one two before, hiding the hop)
             if (s == 0) & (m > 1):
@@ -393,14 +395,15 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, 
 
 @gluon.jit
 def _words_wait(y_ptr, epoch, mp, seg, b, G, H: gl.constexpr, FF: gl.constexpr, YMAX: gl.constexpr,
-                NTOK: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr, NCT: gl.constexpr,
+                NTOK: gl.constexpr, WT: gl.constexpr, TR: gl.constexpr, TC: gl.constexpr, NCT: gl.constexpr,
                 DBT: gl.constexpr):  # fmt: skip
-    # DEP=6, 4 warps: wait until output rows [b*TC, (b+1)*TC) of matrix mp (all tokens) hold every CTA's
-    # sum: each word counts its adds in its low 16 bits, so the data is its own flag (no fence, no counter).
-    # A row's adds: one per CTA whose range overlaps its group's tiles, each walk (epoch: walks so far).
-    WL: gl.constexpr = gl.BlockedLayout([TC // 128, NTOK], [32, 1], [4, 1], [1, 0])
+    # DEP=6, 4 warps: wait until output rows [b*TC, (b+1)*TC) of matrix mp (its first WT tokens) hold every
+    # CTA's sum: each word counts its adds in its low 16 bits, so the data is its own flag (no fence, no
+    # counter). A row's adds: one per CTA whose range overlaps its group's tiles, each walk (epoch: walks so
+    # far). WT=1 (DEP=10) reads what a one-token loop would.
+    WL: gl.constexpr = gl.BlockedLayout([TC // 128, WT], [32, 1], [4, 1], [1, 0])
     rows = b * TC + gl.arange(0, TC, layout=gl.SliceLayout(1, WL))
-    toks = gl.arange(0, NTOK, layout=gl.SliceLayout(0, WL))
+    toks = gl.arange(0, WT, layout=gl.SliceLayout(0, WL))
     sp = (seg + 3) % 4  # the kind of matrix mp
     bpg = gl.where(sp == 3, DBT, NCT)
     total = gl.where(sp == 0, 3 * H, gl.where(sp == 2, 2 * FF, H)) // TR * bpg
@@ -575,6 +578,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NTOK, 16]
     )
     GMAX: gl.constexpr = 2 * FF // TR  # group counters a matrix (FIN=2)
+    WORDS: gl.constexpr = (DEP == 6) | (DEP == 7) | (DEP == 10)  # outputs as words that count their adds
     lo0, lo1, lo2, lo3, n0, n1, n2, n3, e1, e2, e3, P = _mma_walk_setup(G, H, FF, TR, TC)
     offs_r = gl.arange(0, TR, layout=gl.SliceLayout(1, ACC))
     offs_n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, ACC))
@@ -610,7 +614,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
         mbarrier.arrive(empty.index(slot), count=1)
         if (b == bpg - 1) | (s == n - 1):
             rows = m * YMAX + g * TR + offs_r
-            if (DEP == 6) | (DEP == 7):  # fixed point (2**-28) above a count of adds in the low 16 bits
+            if WORDS:  # fixed point (2**-28) above a count of the adds in the low 16 bits
                 word = (acc * 268435456.0).to(gl.int64) * 65536 + 1
                 gl.atomic_add(y_ptr + rows[:, None] * NTOK + offs_n[None, :], word, sem="relaxed")
             else:
@@ -786,7 +790,7 @@ def mma_walk(
         x2, xblock, gl.NVMMASharedLayout.get_default_for(xblock, gl.bfloat16)
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
-    words = dep in (6, 7)  # outputs as int64 words that count their adds
+    words = dep in (6, 7, 10)  # outputs as int64 words that count their adds
     y = torch.zeros(layers, 4, ymax, ntok, device="cuda", dtype=torch.int64 if words else torch.float32)
     epoch = torch.zeros(1, device="cuda", dtype=torch.int32)  # DEP=6: walks so far (words keep adding)
     assert dep < 2 or (xsrc == 0 and fin == 0), "DEP >= 2: activations by TMA, no finisher"
@@ -854,6 +858,7 @@ DEPENDENCIES = [
     "qkv and gate_up chunks on their output words' counts",
     "on the matrix before, every thread fenced",
     "qkv and gate_up on the matrix before, o and down released with every thread fenced",
+    "each input chunk on its output words' counts, token 0's only",
 ]
 
 
