@@ -38,7 +38,8 @@ costs +0.38 ms and a single finishing CTA +2.7 ms a loop; finishing every row gr
 last CTA's end to the first CTA's start, 2.9 us of it the release's fence) and costs the walk ~1.8-2.0 us,
 whatever the ring's depth or tiles in flight (L2 prefetch made it slower); waiting for the matrix two before
 instead 0.629 ms; two hops a layer (DEP=4) 0.712 ms, with every thread fenced (DEP=9) 0.713; no fence (DEP=5,
-unordered) 0.686; every thread fenced (DEP=8) 0.798; words that count their adds (DEP=6, 7) 1.48 / 1.14.
+unordered) 0.686; every thread fenced (DEP=8) 0.798; words that count their adds (DEP=6, 7, 10) 1.48 / 1.14 /
+0.869.
 
 Compiled offline for sm_90 (triton 3.6). Gluon has no interpreter: the CPU test checks only the reference.
     python3 -P bench/gpu/gluon_walk_bench.py
