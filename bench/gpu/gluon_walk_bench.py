@@ -345,7 +345,7 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, 
     DBT: gl.constexpr = (((FF + H - 1) // H) * H) // TC
     RPL: gl.constexpr = 4 * H + 2 * FF + DBT * TC
     lo0, lo1, lo2, lo3, _, _, _, _, e1, e2, e3, P = _mma_walk_setup(G, H, FF, TR, TC)
-    seen = 0  # DEP=2: the chunks of this matrix's input already seen complete, a bit each
+    seen = 0  # DEP=2, 6, 7, 10: the chunks of this matrix's input already seen complete, a bit each
     for i in range(L * P * (1 - XSRC)):
         slot = i % NBUF
         mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)
@@ -353,11 +353,16 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, 
             i, P, e1, e2, e3, lo0, lo1, lo2, lo3, H, RPL, NCT, DBT, TR, TC
         )
         m = layer * 4 + seg
-        if DEP == 2:
+        if (DEP == 2) | (DEP == 6) | (DEP == 7) | (DEP == 10):  # per input chunk, each waited for once
             seen = gl.where(s == 0, 0, seen)
-            if (m > 0) & (((seen >> b) & 1) == 0):
-                _chunk_wait(done_ptr + _chunk_base(L, FF) + (m - 1) * (2 * FF // TR), seg, b, NCT, DBT,
-                            FF // TC, TC // TR)  # fmt: skip
+            hop = (m > 0) & ((DEP != 7) | (seg == 0) | (seg == 2))  # 7: only qkv and gate_up wait
+            if hop & (((seen >> b) & 1) == 0):
+                if DEP == 2:
+                    _chunk_wait(done_ptr + _chunk_base(L, FF) + (m - 1) * (2 * FF // TR), seg, b, NCT, DBT,
+                                FF // TC, TC // TR)  # fmt: skip
+                else:
+                    _words_wait(y_ptr, gl.load(ep_ptr), m - 1, seg, b, G, H, FF, YMAX, NTOK,
+                                1 if DEP == 10 else NTOK, TR, TC, NCT, DBT)  # fmt: skip
                 seen = seen | (1 << b)
         if (DEP == 1) | (DEP == 5) | (DEP == 8):  # noqa: SIM102 (a constexpr branch)
             if (s == 0) & (m > 0):
@@ -372,13 +377,6 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, 
                 else:
                     while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
                         pass
-        if (DEP == 6) | (DEP == 7) | (DEP == 10):
-            seen = gl.where(s == 0, 0, seen)
-            hop = (m > 0) & ((DEP != 7) | (seg == 0) | (seg == 2))  # 7: only qkv and gate_up wait
-            if hop & (((seen >> b) & 1) == 0):
-                _words_wait(y_ptr, gl.load(ep_ptr), m - 1, seg, b, G, H, FF, YMAX, NTOK,
-                            1 if DEP == 10 else NTOK, TR, TC, NCT, DBT)  # fmt: skip
-                seen = seen | (1 << b)
         if DEP == 3:  # noqa: SIM102 (timing only: a matrix waits for the one two before, hiding the hop)
             if (s == 0) & (m > 1):
                 while gl.atomic_add(done_ptr + m - 2, 0, sem="acquire") < G:
@@ -646,12 +644,12 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
                     _finalize(y_ptr, fin_ptr, normw_ptr, m, H, YMAX, NTOK, TC)
                     gl.thread_barrier()
                     gl.atomic_xchg(done_ptr + L * 4 + m, 1, sem="release")
-            elif (DEP == 5) | (DEP == 8) | (DEP == 9):  # 5, timing only: no fence, so the adds may land after
-                # the count; 8, 9: every thread fenced its own adds before the barrier above
-                gl.atomic_add(done_ptr + m, 1, sem="relaxed")
-                gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 3, _now())
             else:
-                gl.atomic_add(done_ptr + m, 1, sem="release")
+                if (DEP == 5) | (DEP == 8) | (DEP == 9):  # 5, timing only: no fence, so the adds may land
+                    # after the count; 8, 9: every thread fenced its own adds before the barrier above
+                    gl.atomic_add(done_ptr + m, 1, sem="relaxed")
+                else:
+                    gl.atomic_add(done_ptr + m, 1, sem="release")
                 gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 3, _now())  # its release has left
     if FIN == 3:
         _push(q, qfull, qempty, qi, -1, 0, 0, 0, QN)  # the finisher warp's stop
@@ -792,6 +790,7 @@ def mma_walk(
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count * ctas_per_sm
     words = dep in (6, 7, 10)  # outputs as int64 words that count their adds
+    inflight = inflight or nbuf  # 0: every slot's tile may be in flight
     y = torch.zeros(layers, 4, ymax, ntok, device="cuda", dtype=torch.int64 if words else torch.float32)
     epoch = torch.zeros(1, device="cuda", dtype=torch.int32)  # DEP=6: walks so far (words keep adding)
     assert dep < 2 or (xsrc == 0 and fin == 0), "DEP >= 2: activations by TMA, no finisher"
@@ -807,7 +806,7 @@ def mma_walk(
         epoch.add_(1)
         _mma_kernel[(ctas,)](w_desc, w, x_desc, y, done, src, normw, down, fin_out, ss, ts, epoch, ctas, H=h,
                              FF=ff, L=layers, YMAX=ymax, XMAX=xmax, NBUF=nbuf, DEP=dep, XSRC=xsrc, FIN=fin,
-                             TM=tm, PF=pf, INFLIGHT=inflight or nbuf, XW=4 if words else 1,
+                             TM=tm, PF=pf, INFLIGHT=inflight, XW=4 if words else 1,
                              XREGS=128 if words else 40, num_warps=4, maxnreg=128)  # fmt: skip
 
     walk()
@@ -839,7 +838,7 @@ def mma_walk(
         "finisher": ["none", "last CTA of a matrix", "CTA completing each row group", "a finisher warp"][fin],
         "tile_major": bool(tm),
         "l2_prefetch_tiles_ahead": pf,
-        "in_flight": inflight or nbuf,
+        "in_flight": inflight,
         "ms": round(ms, 4),
         "tb_s": round(w.numel() * 2 / ms / 1e9, 3),
         "max_err": err,
