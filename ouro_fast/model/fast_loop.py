@@ -7,16 +7,25 @@ applies RoPE and writes K/V; prefill: RoPE + K/V write, then attention), o_proj,
 fused add + two RMSNorms, gate_up matmul, SiLU-and-mul fused into the down
 matmul, fused add + RMSNorm (of the next layer's input, or the final norm after
 the last layer). Up to 16 tokens the matmuls are the skinny Triton kernel (so on
-Hopper every kernel of the loop is a PDL launch); beyond, cuBLAS.
+Hopper every kernel of the loop is a PDL launch); beyond, cuBLAS. On Hopper with bf16 the
+matmuls are the tensor-core kernel (kernels/tc_gemm.py), which streams its weights before its
+PDL wait.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import add_rms_norm, rms_norm
+from ..kernels import add_rms_norm, rms_norm, tc_gemm
 from ..kernels.skinny_gemm import skinny_linear
 from .ouro import OuroForCausalLM
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """x @ w.T (of silu(gate) * up with silu_mul): tensor cores on Hopper, else the skinny kernel."""
+    if tc_gemm.supported(x, w, silu_mul):
+        return tc_gemm.tc_linear(x, w, silu_mul)
+    return skinny_linear(x, w, silu_mul=silu_mul)
 
 
 def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tensor:
@@ -32,11 +41,11 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
     x = rms_norm(h, layers[0].input_layernorm.weight, eps)
     for i, layer in enumerate(layers):
         sa, mlp = layer.self_attn, layer.mlp
-        q, k, v = skinny_linear(x, sa.qkv_weight).split((hq * d, hkv * d, hkv * d), dim=-1)
+        q, k, v = linear(x, sa.qkv_weight).split((hq * d, hkv * d, hkv * d), dim=-1)
         o = attn(i, q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)).reshape(n, hq * d)
-        a = skinny_linear(o, sa.o_proj.weight)
+        a = linear(o, sa.o_proj.weight)
         h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
-        out = skinny_linear(skinny_linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True)
+        out = linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
         h, x = add_rms_norm(h, out, layer.post_attention_layernorm_2.weight, w_next, eps)
     return x

@@ -1,0 +1,285 @@
+"""Tensor-core skinny matmul for decode on Hopper (Gluon): out = x @ w.T for up to 16 rows of x.
+
+Why a second skinny matmul: the Triton one (skinny_gemm.py) streams weights at ~3.2 TB/s and each launch
+drains the weight stream at its end (docs/benchmarks.md, fifth to seventh sessions). Here:
+- a weight-loader warp streams [64, TC] TMA tiles into a ring in shared memory from the moment the CTA
+  starts, before the PDL wait (weights depend on nothing), so while the kernel before it (a norm, the
+  attention, the tail of another matmul) still runs, this one's first tiles are already on their way;
+- an activation warp waits for the predecessor (griddepcontrol.wait), lets the next kernel launch, and
+  TMA-loads the x chunk of each tile (rows past M read as zeros);
+- one warpgroup runs one wgmma (64 x NTOK x TC, both operands from shared memory) per tile;
+- the grid is balanced: each CTA owns one contiguous range of the weight's tiles numbered group-major
+  (a group: 64 output features over all of K). A group split between CTAs is summed in a fixed order by
+  the last of its contributors to arrive (fp32 partials in a workspace, a counter per group that the last
+  resets), so results do not depend on scheduling, and each row's result does not depend on the others.
+With SILU_MUL, x is a fused gate/up output [M, 2F] and the matmul's input is silu(x[:, :F]) * x[:, F:],
+rounded as silu_and_mul rounds it (the down projection).
+
+Gluon has no interpreter: on the CPU only the partition helpers are tested (tests/test_tc_gemm.py); the
+kernel is tested against F.linear on the GPU (tests/test_tc_gemm_gpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .pdl import pdl_enabled
+
+try:  # Gluon ships with triton >= 3.4; the CPU build of the package never calls the kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+    _TR = gl.constexpr(64)  # TR inside the kernels
+except ImportError:  # pragma: no cover - an old triton
+    HAVE_GLUON = False
+
+TR = 64  # weight rows per tile: the wgmma's M
+# OURO_FAST_TC_GEMM=0 keeps the Triton skinny matmul everywhere (A/B runs); 1 or unset: used where supported.
+ENABLED = os.environ.get("OURO_FAST_TC_GEMM", "1") != "0"
+# Tile columns, most ring slots and CTAs per SM: (TC, NBUF, CTAS_PER_SM), from OURO_FAST_TC_CONFIG.
+CONFIG = tuple(int(v) for v in os.environ.get("OURO_FAST_TC_CONFIG", "256:3:1").split(":"))
+# Shared memory a CTA may take, so that two fit on an SM (228 KB): the next matmul's CTAs then start
+# streaming their weights while this one's still run.
+SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(112 * 1024)))
+
+
+def owner(t: int, tiles: int, ctas: int) -> int:
+    """The CTA whose contiguous range [c * tiles // ctas, (c + 1) * tiles // ctas) holds tile t."""
+    return ((t + 1) * ctas - 1) // tiles
+
+
+def contributors(group: int, kt: int, tiles: int, ctas: int) -> tuple[int, int]:
+    """(first CTA, number of CTAs) whose ranges hold a part of row group `group` (kt tiles a group)."""
+    first = owner(group * kt, tiles, ctas)
+    return first, owner(group * kt + kt - 1, tiles, ctas) - first + 1
+
+
+def ring_slots(tc: int, ntok: int, silu_mul: bool, most: int, budget: int = SMEM_BUDGET) -> int:
+    """Ring slots (weight tile + activation chunks each) within the shared-memory budget, 2 at least."""
+    nx = 2 if silu_mul else 1
+    fixed = ntok * tc * 2 if silu_mul else 0  # the SiLU product's buffer
+    return max(2, min(most, (budget - fixed - 1024) // (TR * tc * 2 + nx * ntok * tc * 2)))
+
+
+def grid_ctas(n: int, k: int, tc: int, sms: int, per_sm: int) -> int:
+    """CTAs of a launch: one range per CTA, at most one CTA per tile."""
+    return min(sms * per_sm, (n // TR) * (k // tc))
+
+
+def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> bool:
+    """True when tc_linear takes this call: CUDA, Hopper, bf16, 1-16 rows, shapes that tile evenly."""
+    if not (ENABLED and HAVE_GLUON and pdl_enabled(x.device)):  # pdl_enabled: CUDA, sm >= 90, compiled
+        return False
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= 16:
+        return False
+    n, k = w.shape
+    tc = CONFIG[0]
+    kx = x.shape[1] // 2 if silu_mul else x.shape[1]
+    aligned = x.stride(1) == 1 and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
+    return kx == k and n % TR == 0 and k % tc == 0 and w.is_contiguous() and aligned
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _gdc_wait():
+        # Block until the kernel before has finished and its writes are visible (a no-op without PDL).
+        return gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                         is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _gdc_launch():
+        # Let the next kernel launch (it prefetches its own weights, then waits for this one).
+        return gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [],
+                                         dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _fence_gpu():
+        # Order this thread's earlier writes before its later ones, GPU-wide (each thread fences its own).
+        return gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                         is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _range(T, G):
+        # This CTA's tiles: [lo, lo + n).
+        c = gl.program_id(0)
+        lo = (c * T) // G
+        return lo, ((c + 1) * T) // G - lo
+
+    @gluon.jit
+    def _wloader(w_desc, ring, wready, empty, T, G, KT, NBUF: gl.constexpr):
+        # One warp: the weight tiles, as far ahead as the ring allows, from the start (no PDL wait).
+        TC: gl.constexpr = w_desc.block_type.shape[1]
+        lo, n = _range(T, G)
+        for i in range(n):
+            slot = i % NBUF
+            mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
+            t = lo + i
+            mbarrier.expect(wready.index(slot), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [(t // KT) * _TR, (t % KT) * TC], wready.index(slot),
+                                            ring.index(slot))  # fmt: skip
+
+    @gluon.jit
+    def _xloader(x_desc, xring, xready, empty, T, G, KT, F, NBUF: gl.constexpr, SILU_MUL: gl.constexpr):
+        # One warp: after the PDL wait, each tile's activation chunk (and its up half with SILU_MUL).
+        TC: gl.constexpr = x_desc.block_type.shape[1]
+        NX: gl.constexpr = 2 if SILU_MUL else 1
+        _gdc_wait()
+        _gdc_launch()
+        lo, n = _range(T, G)
+        for i in range(n):
+            slot = i % NBUF
+            mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)
+            col = ((lo + i) % KT) * TC
+            mbarrier.expect(xready.index(slot), NX * x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [0, col], xready.index(slot), xring.index(NX * slot))
+            if SILU_MUL:
+                tma.async_copy_global_to_shared(x_desc, [0, F + col], xready.index(slot),
+                                                xring.index(2 * slot + 1))  # fmt: skip
+
+    @gluon.jit
+    def _owner(t, T, G):
+        return ((t + 1) * G - 1) // T
+
+    @gluon.jit
+    def _finish(acc, out_ptr, part_ptr, cnt_ptr, g, M, stride_out, T, G, KT, ACC: gl.constexpr,
+                NTOK: gl.constexpr):  # fmt: skip
+        # Row group g's sums from this CTA: stored if the group is whole here, else handed to the last
+        # contributor to arrive, which adds every contributor's partial in CTA order and stores the sum.
+        offs_r = gl.arange(0, _TR, layout=gl.SliceLayout(1, ACC))
+        offs_n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, ACC))
+        out = out_ptr + offs_n[None, :] * stride_out + (g * _TR + offs_r)[:, None]
+        mask = (offs_n[None, :] < M) & (offs_r[:, None] < _TR)
+        first = _owner(g * KT, T, G)
+        count = _owner(g * KT + KT - 1, T, G) - first + 1
+        if count == 1:
+            gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tile = offs_r[:, None] * NTOK + offs_n[None, :]
+            gl.store(part_ptr + (g * KT + gl.program_id(0) - first) * (_TR * NTOK) + tile, acc)
+            _fence_gpu()  # each thread's partial before the count below
+            gl.thread_barrier()
+            if gl.atomic_add(cnt_ptr + g, 1, sem="acq_rel") == count - 1:
+                _fence_gpu()
+                total = gl.zeros([_TR, NTOK], gl.float32, ACC)
+                for s in range(count):
+                    total += gl.load(part_ptr + (g * KT + s) * (_TR * NTOK) + tile, cache_modifier=".cg")
+                gl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt_ptr + g, 0, sem="relaxed")  # ready for the next call
+
+    @gluon.jit
+    def _consumer(out_ptr, part_ptr, cnt_ptr, ring, xring, xs, wready, xready, empty, M, stride_out, T, G, KT,
+                  NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr, SILU_MUL: gl.constexpr):  # fmt: skip
+        # One warpgroup: a wgmma per tile; a group's sums are finished when its last tile in the range is.
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, NTOK, 16])  # fmt: skip
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        lo, n = _range(T, G)
+        acc = gl.zeros([_TR, NTOK], gl.float32, ACC)
+        for i in range(n):
+            slot = i % NBUF
+            t = lo + i
+            g = t // KT
+            b = t - g * KT
+            mbarrier.wait(xready.index(slot), (i // NBUF) & 1)
+            if SILU_MUL:  # silu(gate) rounded, times up, rounded: as swiglu.silu_mul
+                gate = xring.index(2 * slot).load(XL).to(gl.float32)
+                up = xring.index(2 * slot + 1).load(XL).to(gl.float32)
+                act = (gate / (1.0 + gl.exp(-gate))).to(xs.dtype).to(gl.float32)
+                xs.store((act * up).to(xs.dtype))
+                fence_async_shared()
+                gl.thread_barrier()
+                xt = xs.permute((1, 0))
+            else:
+                xt = xring.index(slot).permute((1, 0))  # [TC, NTOK], K-major
+            mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
+            acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=(b > 0) & (i > 0), is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(empty.index(slot), count=1)
+            if (b == KT - 1) | (i == n - 1):
+                _finish(acc, out_ptr, part_ptr, cnt_ptr, g, M, stride_out, T, G, KT, ACC, NTOK)
+
+    @gluon.jit
+    def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, M, stride_out, T, G, KT, F,
+                        NBUF: gl.constexpr, SILU_MUL: gl.constexpr):  # fmt: skip
+        TC: gl.constexpr = w_desc.block_type.shape[1]
+        NTOK: gl.constexpr = x_desc.block_type.shape[0]
+        NX: gl.constexpr = 2 if SILU_MUL else 1
+        ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, _TR, TC], w_desc.layout)
+        xring = gl.allocate_shared_memory(x_desc.dtype, [NX * NBUF, NTOK, TC], x_desc.layout)
+        xs = gl.allocate_shared_memory(x_desc.dtype, [NTOK if SILU_MUL else 1, TC], x_desc.layout)  # SiLU product
+        wready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        xready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        for k in gl.static_range(NBUF):
+            mbarrier.init(wready.index(k), count=1)
+            mbarrier.init(xready.index(k), count=1)
+            mbarrier.init(empty.index(k), count=1)
+        gl.warp_specialize([
+            (_consumer, (out_ptr, part_ptr, cnt_ptr, ring, xring, xs, wready, xready, empty, M, stride_out, T, G,
+                         KT, NBUF, NTOK, TC, SILU_MUL)),
+            (_wloader, (w_desc, ring, wready, empty, T, G, KT, NBUF)),
+            (_xloader, (x_desc, xring, xready, empty, T, G, KT, F, NBUF, SILU_MUL)),
+        ], [1, 1], [40, 40])  # fmt: skip
+
+
+class _Workspace:
+    """Per device: the split groups' fp32 partials and their arrival counters (reset by their last user).
+
+    Allocated on the first call of a shape (the warm-up, outside any graph capture); calls that share it
+    run in order on one stream, as the decode loop's do."""
+
+    def __init__(self) -> None:
+        self.part: dict[torch.device, torch.Tensor] = {}
+        self.cnt: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, part_elems: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        part, cnt = self.part.get(device), self.cnt.get(device)
+        if part is None or part.numel() < part_elems or cnt.numel() < groups:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("tc_linear: a shape's first call must run eagerly before graph capture")
+            part = self.part[device] = torch.empty(max(part_elems, 1 << 21), device=device, dtype=torch.float32)
+            cnt = self.cnt[device] = torch.zeros(max(groups, 1024), device=device, dtype=torch.int32)
+        return part, cnt
+
+
+_WORKSPACE = _Workspace()
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, out: torch.Tensor | None = None):
+    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (M <= 16); with silu_mul, x is [M, 2K] (gate then up).
+
+    Call only where supported(x, w, silu_mul) is True."""
+    tc, nbuf, per_sm = CONFIG
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    ntok = 8 if m <= 8 else 16
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype) if out is None else out
+    kt = k // tc
+    tiles = (n // TR) * kt
+    ctas = grid_ctas(n, k, tc, _sms(x.device.index or 0), per_sm)
+    wl = gl.NVMMASharedLayout.get_default_for([TR, tc], gl.bfloat16)
+    xl = gl.NVMMASharedLayout.get_default_for([ntok, tc], gl.bfloat16)
+    w_desc = TensorDescriptor.from_tensor(w, [TR, tc], wl)
+    x_desc = TensorDescriptor.from_tensor(x, [ntok, tc], xl)
+    part, cnt = _WORKSPACE.get(x.device, (n // TR) * kt * TR * ntok, n // TR)
+    nbuf = ring_slots(tc, ntok, silu_mul, nbuf)
+    _tc_gemm_kernel[(ctas,)](w_desc, x_desc, out, part, cnt, m, out.stride(0), tiles, ctas, kt, k, NBUF=nbuf,
+                             SILU_MUL=silu_mul, num_warps=4, maxnreg=128, launch_pdl=True)  # fmt: skip
+    return out
