@@ -60,7 +60,9 @@ def _add_rms_norm_kernel(
     stride_a,
     stride_ho,
     stride_xo,
+    stride_part,
     H: tl.constexpr,
+    PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -71,6 +73,10 @@ def _add_rms_norm_kernel(
     dtype = h_out_ptr.dtype.element_ty
     pdl_enter(USE_PDL)
     a = tl.load(a_ptr + row * stride_a + offs, mask=mask, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, PARTS):  # a matmul's fp32 partial products, added in order, then rounded
+        a += tl.load(a_ptr + p * stride_part + row * stride_a + offs, mask=mask, other=0.0)
+    if PARTS > 0:
+        a = round_to(a, dtype, INTERPRETED).to(tl.float32)
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     w_a = tl.load(w_a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h_new = round_to(h + _rms(a, w_a, H, eps, dtype, INTERPRETED), dtype, INTERPRETED)
@@ -116,21 +122,29 @@ def add_rms_norm(
 
     One pass per row: the sandwich residual (a = a sub-block's output) fused with the
     next norm (the MLP's input norm, the next layer's input norm, or the final norm).
-    h_out may be h itself (in place). All tensors share one dtype.
+    h_out may be h itself (in place). All tensors share one dtype, except that a may also be
+    a matmul's fp32 partial products [P, N, H] (tc_linear's parts): they are added in order
+    and rounded to the dtype, as the matmul's own output would be.
     """
     _check_rows(h, weight_a, "h")
-    _check_rows(a, weight_next, "a")
-    if a.shape != h.shape:
-        raise ValueError(f"h and a must have one shape, got {tuple(h.shape)} and {tuple(a.shape)}")
-    check_same_dtype(h=h, a=a)
+    parts = a.shape[0] if a.dim() == 3 else 0
+    if parts:
+        if a.dtype != torch.float32 or a.shape[1:] != h.shape or a[0].stride(1) != 1:
+            raise ValueError(f"partials must be fp32 [P, N, H] for h {tuple(h.shape)}, got {a.dtype} {tuple(a.shape)}")
+    else:
+        _check_rows(a, weight_next, "a")
+        if a.shape != h.shape:
+            raise ValueError(f"h and a must have one shape, got {tuple(h.shape)} and {tuple(a.shape)}")
+        check_same_dtype(h=h, a=a)
+    check_same_dtype(h=h, weight_next=weight_next)
     h_out = torch.empty_like(h) if h_out is None else h_out
     x_out = torch.empty_like(h) if x_out is None else x_out
     if h.shape[0]:
         n = h.shape[1]
         _add_rms_norm_kernel[(h.shape[0],)](
             h, a, weight_a, weight_next, h_out, x_out, eps,
-            h.stride(0), a.stride(0), h_out.stride(0), x_out.stride(0),
-            H=n, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=_warps(n),
+            h.stride(0), a.stride(-2), h_out.stride(0), x_out.stride(0), a.stride(0) if parts else 0,
+            H=n, PARTS=parts, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=_warps(n),
             **pdl_launch(h.device, "norm"),
         )  # fmt: skip
     return h_out, x_out

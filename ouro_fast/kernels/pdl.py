@@ -28,12 +28,23 @@ import triton.language as tl
 from ._util import interpreting
 
 
+# OURO_FAST_PDL_EARLY=1: a kernel lets the next one launch BEFORE its own wait, so that a matmul behind a
+# small kernel (a norm, the attention) starts streaming its weights while the kernel before that still runs.
+# Safe: each kernel still waits for its predecessor, which waited for its own, and a dependent launches
+# only once every CTA of its predecessor has started, so no kernel waits for one that cannot start.
+EARLY = os.environ.get("OURO_FAST_PDL_EARLY", "0") == "1"
+_EARLY = tl.constexpr(EARLY)
+
+
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    """Wait for the previous kernel's writes, then allow the next kernel to launch."""
+    """Wait for the previous kernel's writes, and allow the next kernel to launch (before the wait, EARLY)."""
     if USE_PDL:
+        if _EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not _EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @functools.cache

@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from .pdl import EARLY as PDL_EARLY
 from .pdl import pdl_enabled
 
 try:  # Gluon ships with triton >= 3.4; the CPU build of the package never calls the kernel
@@ -42,6 +43,7 @@ try:  # Gluon ships with triton >= 3.4; the CPU build of the package never calls
 
     HAVE_GLUON = True
     _TR = gl.constexpr(64)  # TR inside the kernels
+    EARLY_LAUNCH = gl.constexpr(PDL_EARLY)  # pdl.EARLY inside the kernels
 except ImportError:  # pragma: no cover - an old triton
     HAVE_GLUON = False
 
@@ -49,9 +51,11 @@ TR = 64  # weight rows per tile: the wgmma's M
 # OURO_FAST_TC_GEMM=0 keeps the Triton skinny matmul everywhere (A/B runs); 1 or unset: used where supported.
 ENABLED = os.environ.get("OURO_FAST_TC_GEMM", "1") != "0"
 # Tile columns, most ring slots and CTAs per SM: (TC, NBUF, CTAS_PER_SM), from OURO_FAST_TC_CONFIG.
-CONFIG = tuple(int(v) for v in os.environ.get("OURO_FAST_TC_CONFIG", "256:3:1").split(":"))
+CONFIG = tuple(int(v) for v in os.environ.get("OURO_FAST_TC_CONFIG", "256:4:1").split(":"))
 # Shared memory a CTA may take, so that two fit on an SM (228 KB): the next matmul's CTAs then start
 # streaming their weights while this one's still run.
+# A timing switch: launch without PDL.
+_PDL = os.environ.get("OURO_FAST_TC_PDL", "1") == "1"
 SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(112 * 1024)))
 
 
@@ -73,12 +77,19 @@ def ring_slots(tc: int, ntok: int, silu_mul: bool, most: int, budget: int = SMEM
     return max(2, min(most, (budget - fixed - 1024) // (TR * tc * 2 + nx * ntok * tc * 2)))
 
 
-def grid_ctas(n: int, k: int, tc: int, sms: int, per_sm: int) -> int:
-    """CTAs of a launch: one range per CTA, at most one CTA per tile."""
-    return min(sms * per_sm, (n // TR) * (k // tc))
+def grid_ctas(n: int, k: int, tc: int, parts: int, sms: int, per_sm: int) -> int:
+    """CTAs of a launch: one range per CTA, at most one CTA per tile (per item of k / tc / parts tiles)."""
+    return min(sms * per_sm, (n // TR) * max(parts, 1) if parts else (n // TR) * (k // tc))
 
 
-def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> bool:
+def parts_for(n: int, k: int, tc: int, sms: int, per_sm: int) -> int:
+    """K's cut for a matmul whose consumer adds partial products: the divisor S of k / tc that gives the
+    fewest tiles to the busiest CTA (items of k / tc / S tiles, n / 64 * S of them), the smallest on a tie."""
+    kt, groups, ctas = k // tc, n // TR, sms * per_sm
+    return min((-(-groups * s // ctas) * (kt // s), s) for s in range(1, kt + 1) if kt % s == 0)[1]
+
+
+def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, parts: int = 0) -> bool:
     """True when tc_linear takes this call: CUDA, Hopper, bf16, 1-16 rows, shapes that tile evenly."""
     if not (ENABLED and HAVE_GLUON and pdl_enabled(x.device)):  # pdl_enabled: CUDA, sm >= 90, compiled
         return False
@@ -88,7 +99,8 @@ def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> bool:
     tc = CONFIG[0]
     kx = x.shape[1] // 2 if silu_mul else x.shape[1]
     aligned = x.stride(1) == 1 and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
-    return kx == k and n % TR == 0 and k % tc == 0 and w.is_contiguous() and aligned
+    even = k % tc == 0 and (parts == 0 or (k // tc) % parts == 0)
+    return kx == k and n % TR == 0 and even and w.is_contiguous() and aligned
 
 
 if HAVE_GLUON:
@@ -112,17 +124,29 @@ if HAVE_GLUON:
                                          is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
-    def _range(T, G):
-        # This CTA's tiles: [lo, lo + n).
-        c = gl.program_id(0)
-        lo = (c * T) // G
-        return lo, ((c + 1) * T) // G - lo
+    def _now():
+        # The global timer (ns), for the timeline stamps.
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                         pack=1)  # fmt: skip
 
     @gluon.jit
-    def _wloader(w_desc, ring, wready, empty, T, G, KT, NBUF: gl.constexpr):
+    def _stamp(ts_ptr, k: gl.constexpr, STAMP: gl.constexpr):
+        # STAMP: this CTA's time of event k (0 start, 1 PDL wait over, 2 first tile multiplied, 3 done).
+        if STAMP:
+            gl.store(ts_ptr + gl.program_id(0) * 4 + k, _now())
+
+    @gluon.jit
+    def _range(T, G, TPI):
+        # This CTA's tiles: [lo, lo + n), whole items of TPI tiles (TPI = 1: any tile range).
+        c = gl.program_id(0)
+        lo = (c * (T // TPI)) // G
+        return lo * TPI, (((c + 1) * (T // TPI)) // G - lo) * TPI
+
+    @gluon.jit
+    def _wloader(w_desc, ring, wready, empty, T, G, KT, TPI, NBUF: gl.constexpr):
         # One warp: the weight tiles, as far ahead as the ring allows, from the start (no PDL wait).
         TC: gl.constexpr = w_desc.block_type.shape[1]
-        lo, n = _range(T, G)
+        lo, n = _range(T, G, TPI)
         for i in range(n):
             slot = i % NBUF
             mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
@@ -132,13 +156,18 @@ if HAVE_GLUON:
                                             ring.index(slot))  # fmt: skip
 
     @gluon.jit
-    def _xloader(x_desc, xring, xready, empty, T, G, KT, F, NBUF: gl.constexpr, SILU_MUL: gl.constexpr):
+    def _xloader(x_desc, ts_ptr, xring, xready, empty, T, G, KT, TPI, F, NBUF: gl.constexpr,
+                 SILU_MUL: gl.constexpr, STAMP: gl.constexpr):  # fmt: skip
         # One warp: after the PDL wait, each tile's activation chunk (and its up half with SILU_MUL).
         TC: gl.constexpr = x_desc.block_type.shape[1]
         NX: gl.constexpr = 2 if SILU_MUL else 1
+        if EARLY_LAUNCH:
+            _gdc_launch()
         _gdc_wait()
-        _gdc_launch()
-        lo, n = _range(T, G)
+        _stamp(ts_ptr, 1, STAMP)
+        if not EARLY_LAUNCH:
+            _gdc_launch()
+        lo, n = _range(T, G, TPI)
         for i in range(n):
             slot = i % NBUF
             mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)
@@ -180,13 +209,23 @@ if HAVE_GLUON:
                 gl.atomic_xchg(cnt_ptr + g, 0, sem="relaxed")  # ready for the next call
 
     @gluon.jit
-    def _consumer(out_ptr, part_ptr, cnt_ptr, ring, xring, xs, wready, xready, empty, M, stride_out, T, G, KT,
-                  NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr, SILU_MUL: gl.constexpr):  # fmt: skip
+    def _store_part(acc, out_ptr, g, M, stride_out, ACC: gl.constexpr, NTOK: gl.constexpr):
+        # Rows g * 64.. of an [M, N] fp32 slice (M of the NTOK columns).
+        offs_r = gl.arange(0, _TR, layout=gl.SliceLayout(1, ACC))
+        offs_n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, ACC))
+        out = out_ptr + offs_n[None, :] * stride_out + (g * _TR + offs_r)[:, None]
+        gl.store(out, acc, mask=(offs_n[None, :] < M) & (offs_r[:, None] < _TR))
+
+    @gluon.jit
+    def _consumer(out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M, stride_out, T,
+                  G, KT, TPI, NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr, SILU_MUL: gl.constexpr,
+                  PARTS: gl.constexpr, STAMP: gl.constexpr):  # fmt: skip
         # One warpgroup: a wgmma per tile; a group's sums are finished when its last tile in the range is.
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, NTOK, 16])  # fmt: skip
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        lo, n = _range(T, G)
+        _stamp(ts_ptr, 0, STAMP)
+        lo, n = _range(T, G, TPI)
         acc = gl.zeros([_TR, NTOK], gl.float32, ACC)
         for i in range(n):
             slot = i % NBUF
@@ -205,15 +244,26 @@ if HAVE_GLUON:
             else:
                 xt = xring.index(slot).permute((1, 0))  # [TC, NTOK], K-major
             mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
-            acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=(b > 0) & (i > 0), is_async=True)
+            if PARTS:  # an item's first tile starts its sum
+                fresh = b % TPI == 0
+            else:
+                fresh = (b == 0) | (i == 0)
+            acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=not fresh, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(slot), count=1)
-            if (b == KT - 1) | (i == n - 1):
+            if i == 0:
+                _stamp(ts_ptr, 2, STAMP)
+            if PARTS:  # an item's last tile: its fp32 partial into slot b // TPI of out [S, M, N]
+                if b % TPI == TPI - 1:
+                    _store_part(acc, out_ptr + (b // TPI) * M * stride_out, g, M, stride_out, ACC, NTOK)
+            elif (b == KT - 1) | (i == n - 1):
                 _finish(acc, out_ptr, part_ptr, cnt_ptr, g, M, stride_out, T, G, KT, ACC, NTOK)
+        _stamp(ts_ptr, 3, STAMP)
 
     @gluon.jit
-    def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, M, stride_out, T, G, KT, F,
-                        NBUF: gl.constexpr, SILU_MUL: gl.constexpr):  # fmt: skip
+    def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, ts_ptr, M, stride_out, T, G, KT, TPI, F,
+                        NBUF: gl.constexpr, SILU_MUL: gl.constexpr, PARTS: gl.constexpr,
+                        STAMP: gl.constexpr):  # fmt: skip
         TC: gl.constexpr = w_desc.block_type.shape[1]
         NTOK: gl.constexpr = x_desc.block_type.shape[0]
         NX: gl.constexpr = 2 if SILU_MUL else 1
@@ -228,10 +278,10 @@ if HAVE_GLUON:
             mbarrier.init(xready.index(k), count=1)
             mbarrier.init(empty.index(k), count=1)
         gl.warp_specialize([
-            (_consumer, (out_ptr, part_ptr, cnt_ptr, ring, xring, xs, wready, xready, empty, M, stride_out, T, G,
-                         KT, NBUF, NTOK, TC, SILU_MUL)),
-            (_wloader, (w_desc, ring, wready, empty, T, G, KT, NBUF)),
-            (_xloader, (x_desc, xring, xready, empty, T, G, KT, F, NBUF, SILU_MUL)),
+            (_consumer, (out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M, stride_out,
+                         T, G, KT, TPI, NBUF, NTOK, TC, SILU_MUL, PARTS, STAMP)),
+            (_wloader, (w_desc, ring, wready, empty, T, G, KT, TPI, NBUF)),
+            (_xloader, (x_desc, ts_ptr, xring, xready, empty, T, G, KT, TPI, F, NBUF, SILU_MUL, STAMP)),
         ], [1, 1], [40, 40])  # fmt: skip
 
 
@@ -263,23 +313,37 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, out: torch.Tensor | None = None):
+def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, parts: int = 0,
+              stamps: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (M <= 16); with silu_mul, x is [M, 2K] (gate then up).
 
-    Call only where supported(x, w, silu_mul) is True."""
+    parts > 0: K is cut into `parts` equal ranges and the result is their fp32 partial products
+    [parts, M, N], for the consumer to add in order (no sums between CTAs in the kernel); parts < 0:
+    the cut parts_for picks.
+    stamps: int64 [CTAs, 4] that receives each CTA's global-timer stamps (start, PDL wait over, first
+    tile multiplied, done), for the benchmark's timeline. Call only where supported(x, w, silu_mul, parts)."""
     tc, nbuf, per_sm = CONFIG
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     ntok = 8 if m <= 8 else 16
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype) if out is None else out
     kt = k // tc
     tiles = (n // TR) * kt
-    ctas = grid_ctas(n, k, tc, _sms(x.device.index or 0), per_sm)
+    if parts < 0:
+        parts = parts_for(n, k, tc, _sms(x.device.index or 0), per_sm)
+    tpi = kt // parts if parts else 1
+    ctas = grid_ctas(n, k, tc, parts, _sms(x.device.index or 0), per_sm)
+    if parts:
+        out = torch.empty(parts, m, n, device=x.device, dtype=torch.float32)
+    else:
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     wl = gl.NVMMASharedLayout.get_default_for([TR, tc], gl.bfloat16)
     xl = gl.NVMMASharedLayout.get_default_for([ntok, tc], gl.bfloat16)
     w_desc = TensorDescriptor.from_tensor(w, [TR, tc], wl)
     x_desc = TensorDescriptor.from_tensor(x, [ntok, tc], xl)
     part, cnt = _WORKSPACE.get(x.device, (n // TR) * kt * TR * ntok, n // TR)
-    nbuf = ring_slots(tc, ntok, silu_mul, nbuf)
-    _tc_gemm_kernel[(ctas,)](w_desc, x_desc, out, part, cnt, m, out.stride(0), tiles, ctas, kt, k, NBUF=nbuf,
-                             SILU_MUL=silu_mul, num_warps=4, maxnreg=128, launch_pdl=True)  # fmt: skip
+    ts = cnt if stamps is None else stamps
+    _tc_gemm_kernel[(ctas,)](
+        w_desc, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, tpi, k,
+        NBUF=ring_slots(tc, ntok, silu_mul, nbuf), SILU_MUL=silu_mul, PARTS=parts > 0, STAMP=stamps is not None,
+        num_warps=4, maxnreg=128, launch_pdl=_PDL,
+    )  # fmt: skip
     return out

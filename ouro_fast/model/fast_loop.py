@@ -21,10 +21,13 @@ from ..kernels.skinny_gemm import skinny_linear
 from .ouro import OuroForCausalLM
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    """x @ w.T (of silu(gate) * up with silu_mul): tensor cores on Hopper, else the skinny kernel."""
+def linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bool = False) -> torch.Tensor:
+    """x @ w.T (of silu(gate) * up with silu_mul): tensor cores on Hopper, else the skinny kernel.
+
+    partial: where the tensor-core kernel takes the call, return fp32 partial products over cuts of K
+    [P, M, N] instead (for add_rms_norm to add in order; no sums between CTAs inside the matmul)."""
     if tc_gemm.supported(x, w, silu_mul):
-        return tc_gemm.tc_linear(x, w, silu_mul)
+        return tc_gemm.tc_linear(x, w, silu_mul, parts=-1 if partial else 0)
     return skinny_linear(x, w, silu_mul=silu_mul)
 
 
@@ -43,9 +46,9 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
         sa, mlp = layer.self_attn, layer.mlp
         q, k, v = linear(x, sa.qkv_weight).split((hq * d, hkv * d, hkv * d), dim=-1)
         o = attn(i, q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)).reshape(n, hq * d)
-        a = linear(o, sa.o_proj.weight)
+        a = linear(o, sa.o_proj.weight, partial=True)
         h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
-        out = linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True)
+        out = linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True, partial=True)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
         h, x = add_rms_norm(h, out, layer.post_attention_layernorm_2.weight, w_next, eps)
     return x
