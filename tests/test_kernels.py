@@ -254,6 +254,28 @@ def test_add_rms_norm_matches_the_model_rounding(dtype, n, h):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [1, 4, 11])
+def test_add_rms_norm_adds_partial_products_in_order(dtype, parts):
+    # tc_gemm's cut matmuls hand fp32 partials [P, N, H]: added in order and rounded, they must give what
+    # the matmul's own rounded output gives, bit for bit.
+    n, h, eps = 3, 96, 1e-6
+    hid, w_a, w_next = (
+        randn(n, h, dtype=dtype, seed=40),
+        1 + 0.1 * randn(h, dtype=dtype, seed=41),
+        1 + 0.1 * randn(h, dtype=dtype, seed=42),
+    )
+    p = randn(parts, n, h, dtype=torch.float32, seed=43)
+    total = p[0].clone()
+    for i in range(1, parts):
+        total = total + p[i]
+    want = add_rms_norm(hid, total.to(dtype), w_a, w_next, eps)
+    got = add_rms_norm(hid, p, w_a, w_next, eps)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="partials must be fp32"):
+        add_rms_norm(hid, p[:, :, :-1].contiguous(), w_a, w_next, eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, f, block", [(3, 96, 1024), (4, 200, 64), (1, 16, 16)])
 def test_silu_and_mul(dtype, n, f, block):
     x = 4 * randn(n, 2 * f, dtype=dtype, seed=19)

@@ -37,6 +37,11 @@ def reference(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:
     return F.linear(x.float(), w.float()).to(x.dtype)
 
 
+def run(x: torch.Tensor, w: torch.Tensor, silu: bool, parts: int) -> torch.Tensor:
+    y = tc_gemm.tc_linear(x, w, silu, parts=parts)
+    return y.sum(0).to(torch.bfloat16) if parts else y
+
+
 def check(rows: list[int]) -> None:
     for name, (n, k) in SHAPES.items():
         silu = name == "down"
@@ -46,21 +51,25 @@ def check(rows: list[int]) -> None:
             assert tc_gemm.supported(x, w, silu), (name, m)
             parts = -1 if name in ("o", "down") else 0  # as the loop calls them: partial products
 
-            def run(x):
-                y = tc_gemm.tc_linear(x, w, silu, parts=parts)
-                return y.sum(0).to(torch.bfloat16) if parts else y
-
-            got, again, one = run(x), run(x), run(x[:1].contiguous())
+            got, again = run(x, w, silu, parts), run(x, w, silu, parts)
+            one = run(x[:1].contiguous(), w, silu, parts)
             want = reference(x, w, silu)
             err = float((got.float() - want.float()).abs().max())
-            print(json.dumps({"check": name, "rows": m, "max_err": err, "max_ref": float(want.float().abs().max()),
-                              "repeat_equal": bool(torch.equal(got, again)),
-                              "row0_alone_equal": bool(torch.equal(got[:1], one))}), flush=True)  # fmt: skip
+            line = {"check": name, "rows": m, "max_err": err, "max_ref": float(want.float().abs().max())}
+            line.update(
+                repeat_equal=bool(torch.equal(got, again)), row0_alone_equal=bool(torch.equal(got[:1], one))
+            )
+            print(json.dumps(line), flush=True)
 
 
 def chain(m: int, layers: int, kernel: str, replays: int, stamps: torch.Tensor | None = None) -> dict:
-    ws = [{name: (0.02 * torch.randn(n, k, device="cuda")).to(torch.bfloat16) for name, (n, k) in SHAPES.items()}
-          for _ in range(layers)]  # fmt: skip
+    def layer():
+        return {
+            name: (0.02 * torch.randn(n, k, device="cuda")).to(torch.bfloat16)
+            for name, (n, k) in SHAPES.items()
+        }
+
+    ws = [layer() for _ in range(layers)]
     x0 = torch.randn(m, H, device="cuda").to(torch.bfloat16)
     norm_w = torch.ones(H, device="cuda", dtype=torch.bfloat16)
 
@@ -79,12 +88,20 @@ def chain(m: int, layers: int, kernel: str, replays: int, stamps: torch.Tensor |
         for w in ws:
             a = lin(lin(x, w["qkv"])[:, :H], w["o"], partial=True)
             h, m = add_rms_norm(h, a, norm_w, norm_w, 1e-6)
-            h, x = add_rms_norm(h, lin(lin(m, w["gate_up"]), w["down"], True, partial=True), norm_w, norm_w, 1e-6)
+            h, x = add_rms_norm(
+                h, lin(lin(m, w["gate_up"]), w["down"], True, partial=True), norm_w, norm_w, 1e-6
+            )
         return x
 
     ms = replay_ms(capture(loop), replays)
     nbytes = sum(t.numel() * 2 for w in ws for t in w.values())
-    return {"chain": kernel, "rows": m, "layers": layers, "ms": round(ms, 4), "tb_s": round(nbytes / ms / 1e9, 3)}
+    return {
+        "chain": kernel,
+        "rows": m,
+        "layers": layers,
+        "ms": round(ms, 4),
+        "tb_s": round(nbytes / ms / 1e9, 3),
+    }
 
 
 def timeline(ts: torch.Tensor) -> dict:
@@ -105,7 +122,10 @@ def timeline(ts: torch.Tensor) -> dict:
     out = {}
     for name, v in rows.items():
         per = v.view(-1)
-        out[name] = {kind: round(float(per[i::4].median()), 2) for i, kind in enumerate(("o", "gate_up", "down", "qkv"))}
+        out[name] = {
+            kind: round(float(per[i::4].median()), 2)
+            for i, kind in enumerate(("o", "gate_up", "down", "qkv"))
+        }
     return out
 
 

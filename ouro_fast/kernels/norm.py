@@ -130,7 +130,9 @@ def add_rms_norm(
     parts = a.shape[0] if a.dim() == 3 else 0
     if parts:
         if a.dtype != torch.float32 or a.shape[1:] != h.shape or a[0].stride(1) != 1:
-            raise ValueError(f"partials must be fp32 [P, N, H] for h {tuple(h.shape)}, got {a.dtype} {tuple(a.shape)}")
+            raise ValueError(
+                f"partials must be fp32 [P, N, H] for h {tuple(h.shape)}, got {a.dtype} {tuple(a.shape)}"
+            )
     else:
         _check_rows(a, weight_next, "a")
         if a.shape != h.shape:

@@ -52,11 +52,11 @@ TR = 64  # weight rows per tile: the wgmma's M
 ENABLED = os.environ.get("OURO_FAST_TC_GEMM", "1") != "0"
 # Tile columns, most ring slots and CTAs per SM: (TC, NBUF, CTAS_PER_SM), from OURO_FAST_TC_CONFIG.
 CONFIG = tuple(int(v) for v in os.environ.get("OURO_FAST_TC_CONFIG", "256:4:1").split(":"))
-# Shared memory a CTA may take, so that two fit on an SM (228 KB): the next matmul's CTAs then start
-# streaming their weights while this one's still run.
+# Shared memory a CTA may take: one CTA a SM with a 4-slot ring. Two a SM (112 KB each, the next matmul's
+# CTAs streaming beside this one's) measured slower (docs/benchmarks.md, sixteenth session).
+SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(225 * 1024)))
 # A timing switch: launch without PDL.
 _PDL = os.environ.get("OURO_FAST_TC_PDL", "1") == "1"
-SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(112 * 1024)))
 
 
 def owner(t: int, tiles: int, ctas: int) -> int:
@@ -217,9 +217,9 @@ if HAVE_GLUON:
         gl.store(out, acc, mask=(offs_n[None, :] < M) & (offs_r[:, None] < _TR))
 
     @gluon.jit
-    def _consumer(out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M, stride_out, T,
-                  G, KT, TPI, NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr, SILU_MUL: gl.constexpr,
-                  PARTS: gl.constexpr, STAMP: gl.constexpr):  # fmt: skip
+    def _consumer(out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M, stride_out,
+                  T, G, KT, TPI, NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr,
+                  SILU_MUL: gl.constexpr, PARTS: gl.constexpr, STAMP: gl.constexpr):  # fmt: skip
         # One warpgroup: a wgmma per tile; a group's sums are finished when its last tile in the range is.
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, NTOK, 16])  # fmt: skip
@@ -269,7 +269,9 @@ if HAVE_GLUON:
         NX: gl.constexpr = 2 if SILU_MUL else 1
         ring = gl.allocate_shared_memory(w_desc.dtype, [NBUF, _TR, TC], w_desc.layout)
         xring = gl.allocate_shared_memory(x_desc.dtype, [NX * NBUF, NTOK, TC], x_desc.layout)
-        xs = gl.allocate_shared_memory(x_desc.dtype, [NTOK if SILU_MUL else 1, TC], x_desc.layout)  # SiLU product
+        xs = gl.allocate_shared_memory(
+            x_desc.dtype, [NTOK if SILU_MUL else 1, TC], x_desc.layout
+        )  # SiLU product
         wready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         xready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -278,8 +280,8 @@ if HAVE_GLUON:
             mbarrier.init(xready.index(k), count=1)
             mbarrier.init(empty.index(k), count=1)
         gl.warp_specialize([
-            (_consumer, (out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M, stride_out,
-                         T, G, KT, TPI, NBUF, NTOK, TC, SILU_MUL, PARTS, STAMP)),
+            (_consumer, (out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M,
+                         stride_out, T, G, KT, TPI, NBUF, NTOK, TC, SILU_MUL, PARTS, STAMP)),
             (_wloader, (w_desc, ring, wready, empty, T, G, KT, TPI, NBUF)),
             (_xloader, (x_desc, ts_ptr, xring, xready, empty, T, G, KT, TPI, F, NBUF, SILU_MUL, STAMP)),
         ], [1, 1], [40, 40])  # fmt: skip
@@ -300,7 +302,9 @@ class _Workspace:
         if part is None or part.numel() < part_elems or cnt.numel() < groups:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("tc_linear: a shape's first call must run eagerly before graph capture")
-            part = self.part[device] = torch.empty(max(part_elems, 1 << 21), device=device, dtype=torch.float32)
+            part = self.part[device] = torch.empty(
+                max(part_elems, 1 << 21), device=device, dtype=torch.float32
+            )
             cnt = self.cnt[device] = torch.zeros(max(groups, 1024), device=device, dtype=torch.int32)
         return part, cnt
 
@@ -343,7 +347,7 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, parts: i
     ts = cnt if stamps is None else stamps
     _tc_gemm_kernel[(ctas,)](
         w_desc, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, tpi, k,
-        NBUF=ring_slots(tc, ntok, silu_mul, nbuf), SILU_MUL=silu_mul, PARTS=parts > 0, STAMP=stamps is not None,
-        num_warps=4, maxnreg=128, launch_pdl=_PDL,
+        NBUF=ring_slots(tc, ntok, silu_mul, nbuf), SILU_MUL=silu_mul, PARTS=parts > 0,
+        STAMP=stamps is not None, num_warps=4, maxnreg=128, launch_pdl=_PDL,
     )  # fmt: skip
     return out

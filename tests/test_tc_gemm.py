@@ -1,0 +1,143 @@
+"""The tensor-core skinny matmul (kernels/tc_gemm.py): its partition on the CPU, the kernel on a Hopper GPU.
+
+Gluon has no interpreter, so the kernel itself runs only where CUDA with compute capability 9.0+ is:
+against F.linear in fp32, bit for bit from call to call and from batch to single row, with its partial
+products, and inside the engine against the fp32 dense reference.
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, as the other kernel tests set it
+pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+
+from ouro_fast.kernels import tc_gemm  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU")
+SHAPES = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]  # Ouro-1.4B: qkv, o, gate_up, down
+
+
+def ranges(tiles: int, ctas: int, tpi: int = 1) -> list[range]:
+    items = tiles // tpi
+    return [range(c * items // ctas * tpi, (c + 1) * items // ctas * tpi) for c in range(ctas)]
+
+
+@pytest.mark.parametrize("n, k", SHAPES + [(640, 768)])
+@pytest.mark.parametrize("ctas", [132, 7, 1])
+def test_owner_and_contributors_match_the_ranges(n, k, ctas):
+    kt, tiles = k // 256, (n // 64) * (k // 256)
+    ctas = min(ctas, tiles)
+    rs = ranges(tiles, ctas)
+    assert sorted(t for r in rs for t in r) == list(range(tiles))  # every tile once
+    for t in range(0, tiles, 7):
+        assert t in rs[tc_gemm.owner(t, tiles, ctas)]
+    for g in range(n // 64):
+        holders = [c for c, r in enumerate(rs) if any(g * kt <= t < (g + 1) * kt for t in r)]
+        assert tc_gemm.contributors(g, kt, tiles, ctas) == (holders[0], len(holders))
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_parts_for_gives_the_busiest_cta_the_fewest_tiles(n, k):
+    kt, groups = k // 256, n // 64
+    s = tc_gemm.parts_for(n, k, 256, 132, 1)
+    assert kt % s == 0
+
+    def busiest(cut: int) -> int:
+        return max(len(r) for r in ranges(groups * kt, min(132, groups * cut), kt // cut))
+
+    assert all(busiest(s) <= busiest(d) for d in range(1, kt + 1) if kt % d == 0)
+    assert s == {(2048, 2048): 4, (2048, 5632): 11}.get((n, k), s)  # o, down: 128 and 352 items
+
+
+def test_ring_fits_the_budget_and_keeps_two_slots():
+    for tc, ntok, silu in [(256, 8, False), (256, 16, True), (128, 16, False)]:
+        nbuf = tc_gemm.ring_slots(tc, ntok, silu, most=8, budget=225 * 1024)
+        nx = 2 if silu else 1
+        used = nbuf * (64 * tc + nx * ntok * tc) * 2 + (ntok * tc * 2 if silu else 0)
+        assert nbuf >= 2 and used <= 225 * 1024
+    assert tc_gemm.ring_slots(256, 16, True, most=4, budget=10_000) == 2
+
+
+def test_not_supported_off_hopper_or_for_odd_shapes():
+    x, w = torch.zeros(1, 2048, dtype=torch.bfloat16), torch.zeros(2048, 2048, dtype=torch.bfloat16)
+    if not HOPPER:
+        assert not tc_gemm.supported(x, w)
+    else:
+        cuda = {"device": "cuda", "dtype": torch.bfloat16}
+        assert tc_gemm.supported(torch.zeros(1, 2048, **cuda), torch.zeros(2048, 2048, **cuda))
+        assert not tc_gemm.supported(torch.zeros(17, 2048, **cuda), torch.zeros(2048, 2048, **cuda))
+        assert not tc_gemm.supported(torch.zeros(1, 2000, **cuda), torch.zeros(2048, 2000, **cuda))
+        assert not tc_gemm.supported(
+            torch.zeros(1, 2048, device="cuda"), torch.zeros(2048, 2048, device="cuda")
+        )
+
+
+def reference(x, w, silu_mul):
+    if silu_mul:  # silu_and_mul's rounding: the silu in bf16, then the product
+        f = x.shape[1] // 2
+        x = (F.silu(x[:, :f].float()).to(x.dtype).float() * x[:, f:].float()).to(x.dtype)
+    return F.linear(x.float(), w.float())
+
+
+@needs_hopper
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 8, 16])
+@pytest.mark.parametrize("parts", [0, -1])
+def test_matches_linear_bit_stable_and_row_independent(n, k, m, parts):
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    silu = k == 5632  # down: its input is the fused gate/up output
+    w = (0.02 * torch.randn(n, k, device="cuda", generator=gen)).to(torch.bfloat16)
+    x = torch.randn(m, 2 * k if silu else k, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def run(rows):
+        y = tc_gemm.tc_linear(rows, w, silu, parts=parts)
+        return y.sum(0) if parts else y.float()
+
+    got, want = run(x), reference(x, w, silu)
+    # fp32 accumulation in another order, plus one bf16 rounding of the output (none for partials).
+    assert float((got - want).abs().max()) <= 0.01 * float(want.abs().max())
+    assert torch.equal(run(x), got)  # no atomics: the same bits every call
+    assert torch.equal(run(x[:1].contiguous()), got[:1])  # a row's result does not depend on the others
+
+
+@needs_hopper
+def test_engine_on_tensor_cores_matches_fp32_dense_reference(tmp_path, monkeypatch):
+    from ouro_fast.engine.engine import Engine, EngineConfig
+    from ouro_fast.engine.sampling import SamplingParams
+    from ouro_fast.model.checkpoints import PRESETS, make_checkpoint
+    from ouro_fast.model.reference import DenseReference
+
+    # The smallest shapes the kernel takes: hidden and intermediate multiples of 256, heads of 128.
+    cfg = dataclasses.replace(PRESETS["tiny"], hidden_size=512, intermediate_size=768, num_attention_heads=4,
+                              num_key_value_heads=4, head_dim=128)  # fmt: skip
+    model_dir = str(make_checkpoint(cfg, tmp_path, seed=3, dtype="float32", progress=False))
+    calls = []
+    real = tc_gemm.tc_linear
+    monkeypatch.setattr(tc_gemm, "tc_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fp32 = Engine(EngineConfig(model=model_dir, dtype="float32", runner="torch", device="cpu"))
+    ref = DenseReference(dict(fp32.model.state_dict()), fp32.model_config, 128, fp32.vocab_limit)
+    engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16", runner="triton", keep_logits=True,
+                                 dataflow=False, max_num_batched_tokens=16))  # fmt: skip
+    params = SamplingParams(max_tokens=6, temperature=0, exit_threshold=1.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 30))]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.request for o in engine.step() if o.finished})
+    assert calls, "the engine never ran the tensor-core matmul"
+    v = engine.vocab_limit
+    for i, prompt in enumerate(prompts):
+        want, got = ref.generate(prompt, 6, threshold=1.0), done[str(i)]
+        assert got.output_ids[0] == want.tokens[0]
+        for k, (a, b) in enumerate(zip(got.logits, want.logits)):  # while the two streams agree
+            err = float((a[:v].float().cpu() - b[:v]).abs().max() / b[:v].abs().max())
+            assert err <= 0.04, (i, k, err)  # test_gpu_runner's BF16_REL_TOL
+            if got.output_ids[k] != want.tokens[k]:
+                break
