@@ -244,8 +244,19 @@ def test_engine_dataflow_default_is_quiet_where_unsupported(mha_dir, caplog):
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the dataflow loop runs in the engine only on CUDA (bf16)")
+def test_engine_dataflow_default_is_off_with_the_tensor_core_matmuls(mha_dir, monkeypatch):
+    from ouro_fast.kernels import tc_gemm  # noqa: PLC0415
+
+    monkeypatch.setattr(tc_gemm, "ENABLED", True)
+    assert getattr(engine(mha_dir, dtype="bfloat16").model, "dataflow", None) is None
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the dataflow loop runs in the engine only on CUDA (bf16)")
 @pytest.mark.parametrize("dataflow", [True, None])
 def test_engine_dataflow_serves_one_token_steps(mha_dir, monkeypatch, dataflow):
+    from ouro_fast.kernels import tc_gemm  # noqa: PLC0415
+
+    monkeypatch.setattr(tc_gemm, "ENABLED", False)  # the default (None) attaches it only without them
     calls, call = [], DataflowLoop.__call__
 
     def counted(loop, *args, **kwargs):
@@ -253,7 +264,7 @@ def test_engine_dataflow_serves_one_token_steps(mha_dir, monkeypatch, dataflow):
         return call(loop, *args, **kwargs)
 
     monkeypatch.setattr(DataflowLoop, "__call__", counted)
-    eng = engine(mha_dir, dtype="bfloat16", dataflow=dataflow)  # asked for, or by default
+    eng = engine(mha_dir, dtype="bfloat16", dataflow=dataflow)  # asked for, or by default without tc_gemm
     assert isinstance(eng.model.dataflow, DataflowLoop)
     out = generate(eng, [5, 6, 7], 8)
     assert len(out.request.output_ids) == 8 and calls  # called at least when the one-row graphs were captured

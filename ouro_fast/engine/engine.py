@@ -62,8 +62,9 @@ class EngineConfig:
     run_ahead_full_depth: bool = True
     run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
     # Triton runner on CUDA, bf16: one-token decode loops as one persistent launch (kernels/dataflow.py;
-    # +1 copy of the layer weights; 0.26 ms less TPOT at concurrency 1 on the H200). None: on where
-    # supported, quietly off elsewhere; True: on, with a warning where unsupported; False: off.
+    # +1 copy of the layer weights). None: off while the tensor-core matmuls are on (kernels/tc_gemm.py:
+    # their loop measured as fast at one token, 1.166 against 1.187 ms on the H200), else on where
+    # supported; True: on, with a warning where unsupported; False: off.
     dataflow: bool | None = None
 
 
@@ -140,13 +141,16 @@ class Engine:
 
     def _attach_dataflow(self, model: OuroForCausalLM) -> None:
         # Before the KV pool is sized from free memory: the loop holds its own copy of the layer weights.
-        from ..kernels.dataflow import DataflowLoop, supported  # noqa: PLC0415 (triton only)
+        from ..kernels import tc_gemm  # noqa: PLC0415 (triton only)
+        from ..kernels.dataflow import DataflowLoop, supported  # noqa: PLC0415
 
         why = supported(self.model_config)
         if self.device.type != "cuda" or self.dtype != torch.bfloat16:
             why = "needs CUDA and bfloat16"
         elif torch.cuda.get_device_capability(self.device) < (9, 0):
             why = "measured only on Hopper (compute capability 9.0+)"  # TMA loads; not tuned elsewhere
+        elif self.config.dataflow is None and tc_gemm.ENABLED:
+            why = "the tensor-core matmuls are on (OURO_FAST_DATAFLOW=1 attaches it)"
         if why:  # asked for explicitly: a warning; by default: a note
             log = logger.warning if self.config.dataflow else logger.info
             log("dataflow decode loop off: %s", why)

@@ -34,8 +34,11 @@ Weights are repacked once into one [layers * rows_per_layer, hidden] bf16 tensor
 qkv, o_proj, gate_up with gate and up interleaved in groups of 8 rows (a group's 16
 rows give 8 SiLU outputs), and down cut into column chunks of `hidden`, zero padded.
 
-Status: on by default in the engine where supported (EngineConfig.dataflow: CUDA, bf16, Hopper;
-run_loop_fused hands it one-token steps; served TPOT at concurrency 1 5.05 ms against 5.31). In the
+Status: opt-in since the sixteenth session (EngineConfig.dataflow=True, OURO_FAST_DATAFLOW=1; on by
+default only with the tensor-core matmuls switched off, OURO_FAST_TC_GEMM=0): run_loop_fused on the
+tensor-core matmuls (kernels/tc_gemm.py) measured as fast at one token, 1.166 against 1.187 ms, without
+the second copy of the weights. Where attached, run_loop_fused hands it one-token steps (served TPOT at
+concurrency 1 5.05 ms against 5.31 with the Triton skinny matmuls, twelfth session). In the
 tests it matches run_loop_fused bit for bit under the interpreter and within bf16 rounding on the
 H200. One loop of the ouro-1.4b preset at 1 token takes 1.17 ms against run_loop_fused's 1.24 (the
 defaults; docs/benchmarks.md, "Eleventh session"; bench/gpu/dataflow_bench.py): the tile walk alone
