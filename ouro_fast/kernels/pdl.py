@@ -4,7 +4,8 @@ A decode step is ~200 small kernels; on Hopper each would otherwise pay its laun
 and ramp-up after the previous one drains. A kernel launched with PDL may start
 while its predecessor still runs; it must call `pdl_enter` before touching any
 memory a predecessor writes (it blocks until the predecessor finished and flushed),
-and pdl_enter then lets the kernel after it launch in turn. Reads of memory no
+and pdl_enter lets the kernel after it launch in turn: after the wait, or before it
+with EARLY (the default with the tensor-core matmuls, below). Reads of memory no
 kernel in the step writes (weights) may come before pdl_enter.
 
 Enabled on CUDA devices of compute capability >= 9 (not under the interpreter);
