@@ -67,6 +67,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ouro_fast.kernels.tc_gemm import fence_gpu, global_timer
+
 sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
 from replay_timing import capture, replay_ms  # noqa: E402
 
@@ -387,7 +389,7 @@ def _mma_xloader(x_desc, done_ptr, ts_ptr, y_ptr, ep_ptr, xring, xready, empty, 
                 while gl.atomic_add(done_ptr + m - 1, 0, sem="acquire") < G:
                     pass
         if s == 0:  # when the first activation slice of matrix m is asked for
-            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 2, _now())
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 2, global_timer())
         mbarrier.expect(xready.index(slot), x_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [m * NTOK, kcol], xready.index(slot), xring.index(slot))
 
@@ -413,21 +415,6 @@ def _words_wait(y_ptr, epoch, mp, seg, b, G, H: gl.constexpr, FF: gl.constexpr, 
     while short > 0:
         counts = (gl.load(ptrs, volatile=True) & 65535).to(gl.int32)
         short = gl.sum(gl.sum((counts < need[:, None]).to(gl.int32), axis=1), axis=0)
-
-
-@gluon.jit
-def _fence_gpu():
-    # This thread's earlier writes are visible GPU-wide before its later ones.
-    return gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                     is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _now():
-    # The GPU's global timer (ns), comparable across SMs.
-    return gl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
-    )
 
 
 @gluon.jit
@@ -607,7 +594,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
             xt = xring.index(slot).permute((1, 0))
         mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
         if s == 0:  # when this CTA's first tile of matrix m is ready to multiply
-            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4, _now())
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4, global_timer())
         acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=(b > 0) & (s > 0), is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index(slot), count=1)
@@ -633,11 +620,11 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
             if FIN == 3:  # hand (m, g, tiles, bpg) to the finisher warp and go on
                 qi = _push(q, qfull, qempty, qi, m, g, b - b0 + 1, bpg, QN)
         if s == n - 1:  # when its last tile's sums are added
-            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 1, _now())
+            gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 1, global_timer())
         releases = (DEP < 6) | (DEP == 8) | ((DEP == 9) & ((seg == 1) | (seg == 3)))  # 9: only o and down
         if (s == n - 1) & (FIN < 2) & releases:
             if (DEP == 8) | (DEP == 9):
-                _fence_gpu()
+                fence_gpu()
             gl.thread_barrier()  # every warp's adds are issued before the release below
             if FIN == 1:
                 if gl.atomic_add(done_ptr + m, 1, sem="acq_rel") == G - 1:
@@ -650,7 +637,7 @@ def _mma_consumer(y_ptr, done_ptr, src_ptr, normw_ptr, down_ptr, fin_ptr, ss_ptr
                     gl.atomic_add(done_ptr + m, 1, sem="relaxed")
                 else:
                     gl.atomic_add(done_ptr + m, 1, sem="release")
-                gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 3, _now())  # its release has left
+                gl.store(ts_ptr + (m * G + gl.program_id(0)) * 4 + 3, global_timer())  # its release has left
     if FIN == 3:
         _push(q, qfull, qempty, qi, -1, 0, 0, 0, QN)  # the finisher warp's stop
 

@@ -121,14 +121,14 @@ if HAVE_GLUON:
                                          dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
-    def _fence_gpu():
+    def fence_gpu():
         # Order this thread's earlier writes before its later ones, GPU-wide (each thread fences its own).
         return gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
                                          is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
-    def _now():
-        # The global timer (ns), for the timeline stamps.
+    def global_timer():
+        # The GPU's global timer (ns), comparable across SMs: for timeline stamps.
         return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
                                          pack=1)  # fmt: skip
 
@@ -136,7 +136,7 @@ if HAVE_GLUON:
     def _stamp(ts_ptr, k: gl.constexpr, STAMP: gl.constexpr):
         # STAMP: this CTA's time of event k (0 start, 1 PDL wait over, 2 first tile multiplied, 3 done).
         if STAMP:
-            gl.store(ts_ptr + gl.program_id(0) * 4 + k, _now())
+            gl.store(ts_ptr + gl.program_id(0) * 4 + k, global_timer())
 
     @gluon.jit
     def _range(T, G, TPI):
@@ -201,10 +201,10 @@ if HAVE_GLUON:
         else:
             tile = offs_r[:, None] * NTOK + offs_n[None, :]
             gl.store(part_ptr + (g * KT + gl.program_id(0) - first) * (_TR * NTOK) + tile, acc)
-            _fence_gpu()  # each thread's partial before the count below
+            fence_gpu()  # each thread's partial before the count below
             gl.thread_barrier()
             if gl.atomic_add(cnt_ptr + g, 1, sem="acq_rel") == count - 1:
-                _fence_gpu()
+                fence_gpu()
                 total = gl.zeros([_TR, NTOK], gl.float32, ACC)
                 for s in range(count):
                     total += gl.load(part_ptr + (g * KT + s) * (_TR * NTOK) + tile, cache_modifier=".cg")
