@@ -58,8 +58,6 @@ CONFIG = tuple(int(v) for v in os.environ.get("OURO_FAST_TC_CONFIG", "256:4:1").
 # Shared memory a CTA may take: one CTA a SM with a 4-slot ring. Two a SM (112 KB each, the next matmul's
 # CTAs streaming beside this one's) measured slower (docs/benchmarks.md, sixteenth session).
 SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(225 * 1024)))
-# A timing switch: launch without PDL.
-_PDL = os.environ.get("OURO_FAST_TC_PDL", "1") == "1"
 
 
 def owner(t: int, tiles: int, ctas: int) -> int:
@@ -85,6 +83,7 @@ def grid_ctas(n: int, k: int, tc: int, parts: int, sms: int, per_sm: int) -> int
     return min(sms * per_sm, (n // TR) * max(parts, 1) if parts else (n // TR) * (k // tc))
 
 
+@functools.cache
 def parts_for(n: int, k: int, tc: int, sms: int, per_sm: int) -> int:
     """K's cut for a matmul whose consumer adds partial products: the divisor S of k / tc that gives the
     fewest tiles to the busiest CTA (items of k / tc / S tiles, n / 64 * S of them), the smallest on a tie."""
@@ -351,6 +350,6 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, parts: i
     _tc_gemm_kernel[(ctas,)](
         w_desc, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, tpi, k,
         NBUF=ring_slots(tc, ntok, silu_mul, nbuf), SILU_MUL=silu_mul, PARTS=parts > 0,
-        STAMP=stamps is not None, num_warps=4, maxnreg=128, launch_pdl=_PDL,
+        STAMP=stamps is not None, num_warps=4, maxnreg=128, launch_pdl=True,
     )  # fmt: skip
     return out

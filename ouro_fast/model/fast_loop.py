@@ -6,10 +6,9 @@ rope_theta). Per layer: qkv matmul, attention (decode: one launch that also
 applies RoPE and writes K/V; prefill: RoPE + K/V write, then attention), o_proj,
 fused add + two RMSNorms, gate_up matmul, SiLU-and-mul fused into the down
 matmul, fused add + RMSNorm (of the next layer's input, or the final norm after
-the last layer). Up to 16 tokens the matmuls are the skinny Triton kernel (so on
-Hopper every kernel of the loop is a PDL launch); beyond, cuBLAS. On Hopper with bf16 the
-matmuls are the tensor-core kernel (kernels/tc_gemm.py), which streams its weights before its
-PDL wait.
+the last layer). Up to 16 tokens the matmuls are, on Hopper with bf16, the tensor-core
+kernel (kernels/tc_gemm.py, which streams its weights before its PDL wait), elsewhere the
+skinny Triton kernel (so on Hopper every kernel of the loop is a PDL launch); beyond, cuBLAS.
 """
 
 from __future__ import annotations
