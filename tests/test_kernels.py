@@ -253,6 +253,14 @@ def test_add_rms_norm_matches_the_model_rounding(dtype, n, h):
     assert torch.equal(h_copy, h_new)
 
 
+def test_norm_warps_grow_with_the_row_up_to_16():
+    from ouro_fast.kernels import norm  # noqa: PLC0415
+
+    if norm._WARPS:
+        pytest.skip("OURO_FAST_NORM_WARPS is set")
+    assert [norm._warps(h) for h in (64, 512, 1024, 2048, 4096)] == [4, 4, 8, 16, 16]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("parts", [1, 4, 11])
 def test_add_rms_norm_adds_partial_products_in_order(dtype, parts):

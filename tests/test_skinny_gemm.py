@@ -182,6 +182,13 @@ def test_pdl_is_off_where_unsupported(monkeypatch):
         assert not pdl_enabled(dev) and pdl_launch(dev) == {"USE_PDL": False}
 
 
+def test_early_release_follows_the_tensor_core_matmuls_unless_set():
+    assert pdl.early_release({})  # the default: tc_gemm on, so early release on
+    assert not pdl.early_release({"OURO_FAST_TC_GEMM": "0"})
+    assert pdl.early_release({"OURO_FAST_TC_GEMM": "0", "OURO_FAST_PDL_EARLY": "1"})
+    assert not pdl.early_release({"OURO_FAST_PDL_EARLY": "0"})
+
+
 def test_kernels_named_plain_launch_without_the_attribute(monkeypatch):
     # OURO_FAST_PDL_PLAIN: those kernels still wait and release (USE_PDL) but launch plainly.
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)

@@ -28,13 +28,19 @@ import triton.language as tl
 
 from ._util import interpreting
 
+
 # Early release: a kernel lets the next one launch BEFORE its own wait, so that a matmul behind a small
 # kernel (a norm, the attention) starts streaming its weights while the kernel before that still runs.
 # Safe: each kernel still waits for its predecessor, which waited for its own, and a dependent launches
 # only once every CTA of its predecessor has started, so no kernel waits for one that cannot start.
 # On with the tensor-core matmuls (tc_gemm, whose weight ring fills before its wait); with the Triton
 # skinny matmuls it was slower (docs/benchmarks.md, sixteenth session). OURO_FAST_PDL_EARLY=0/1 overrides.
-EARLY = os.environ.get("OURO_FAST_PDL_EARLY", os.environ.get("OURO_FAST_TC_GEMM", "1")) not in ("0", "")
+def early_release(environ) -> bool:
+    """OURO_FAST_PDL_EARLY if set, else on unless the tensor-core matmuls are off (OURO_FAST_TC_GEMM=0)."""
+    return environ.get("OURO_FAST_PDL_EARLY", environ.get("OURO_FAST_TC_GEMM", "1")) not in ("0", "")
+
+
+EARLY = early_release(os.environ)
 _EARLY = tl.constexpr(EARLY)
 
 
