@@ -232,7 +232,7 @@ def fused(case, block_size, config):
     """(out, k_cache, v_cache) of fused_decode_attention on cache copies; q, k, v must stay as they were."""
     inputs = [case[key].clone() for key in ("q", "k", "v")]
     kc, vc = case["k_cache"].clone(), case["v_cache"].clone()
-    out = torch.full_like(case["q"], 7.0)
+    out = torch.full(case["q"].shape[-3:], 7.0, dtype=kc.dtype, device=kc.device)
     got = fused_decode_attention(**{**case, "k_cache": kc, "v_cache": vc}, block_size=block_size, out=out,
                                  config=config)  # fmt: skip
     assert got is out
@@ -294,6 +294,37 @@ def test_fused_decode_resets_its_counters():
         check_fused(case, 4, {"NUM_SPLITS": 8, "BLOCK_N": 8}, torch.float32)
         counters = fused_decode._COUNTERS[case["q"].device]
         assert len(counters) == 1 and not counters[0].any()
+
+
+@pytest.mark.usefixtures("nan_scratch")
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fused_decode_takes_the_qkv_matmuls_partial_products(splits):
+    # tc_linear(partial=True) hands out fp32 slots [S, N, W] (the last zero-filled where a group has fewer
+    # contributors): the kernel adds them in slot order and rounds to bf16, as the matmul would have.
+    hq, hkv, d, bs, n_slots = 4, 2, 16, 4, 3
+    case = rope_case(CONTEXTS, bs, hq, hkv, d, torch.bfloat16, seed=31, no_write=(2,))
+    n, width = case["q"].shape[0], (hq + 2 * hkv) * d
+    slots = randn(n_slots, n, width, dtype=torch.float32, seed=32)
+    slots[2, :, : width // 2] = 0.0
+    total = slots[0].clone()
+    for s in range(1, n_slots):
+        total += slots[s]  # in slot order, as the kernel adds them
+    qkv = total.to(torch.bfloat16)
+    split = (hq * d, hkv * d, hkv * d)
+    q, k, v = qkv.split(split, dim=1)
+    summed = {**case, "q": q.view(n, hq, d), "k": k.view(n, hkv, d), "v": v.view(n, hkv, d)}
+    pq, pk, pv = slots.split(split, dim=2)
+    partial = {**case, "q": pq.view(n_slots, n, hq, d), "k": pk.view(n_slots, n, hkv, d),
+               "v": pv.view(n_slots, n, hkv, d)}  # fmt: skip
+    config = {"NUM_SPLITS": splits, "BLOCK_N": 16}
+    got, kc, vc = fused(partial, bs, config)
+    expect, kc_ref, vc_ref = fused(summed, bs, config)
+    assert got.dtype == torch.bfloat16
+    assert_same_bits(got, expect)
+    assert_same_bits(kc, kc_ref)
+    assert_same_bits(vc, vc_ref)
+    with pytest.raises(ValueError, match="views of one partial output"):
+        fused({**partial, "v": pv[:2].reshape(2, n, hkv, d)}, bs, config)
 
 
 def test_fused_decode_rejects_bad_inputs():

@@ -23,9 +23,8 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a H
 SHAPES = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]  # Ouro-1.4B: qkv, o, gate_up, down
 
 
-def ranges(tiles: int, ctas: int, tpi: int = 1) -> list[range]:
-    items = tiles // tpi
-    return [range(c * items // ctas * tpi, (c + 1) * items // ctas * tpi) for c in range(ctas)]
+def ranges(tiles: int, ctas: int) -> list[range]:
+    return [range(c * tiles // ctas, (c + 1) * tiles // ctas) for c in range(ctas)]
 
 
 @pytest.mark.parametrize("n, k", SHAPES + [(640, 768)])
@@ -42,17 +41,15 @@ def test_owner_and_contributors_match_the_ranges(n, k, ctas):
         assert tc_gemm.contributors(g, kt, tiles, ctas) == (holders[0], len(holders))
 
 
-@pytest.mark.parametrize("n, k", SHAPES)
-def test_parts_for_gives_the_busiest_cta_the_fewest_tiles(n, k):
-    kt, groups = k // 256, n // 64
-    s = tc_gemm.parts_for(n, k, 256, 132, 1)
-    assert kt % s == 0
-
-    def busiest(cut: int) -> int:
-        return max(len(r) for r in ranges(groups * kt, min(132, groups * cut), kt // cut))
-
-    assert all(busiest(s) <= busiest(d) for d in range(1, kt + 1) if kt % d == 0)
-    assert s == {(2048, 2048): 4, (2048, 5632): 11}.get((n, k), s)  # o, down: 128 and 352 items
+@pytest.mark.parametrize("n, k", SHAPES + [(640, 768)])
+@pytest.mark.parametrize("ctas", [132, 7, 1])
+def test_slots_for_is_the_most_ctas_sharing_a_group(n, k, ctas):
+    kt, tiles = k // 256, (n // 64) * (k // 256)
+    rs = ranges(tiles, min(ctas, tiles))
+    most = max(sum(1 for r in rs if any(g * kt <= t < (g + 1) * kt for t in r)) for g in range(n // 64))
+    assert tc_gemm.slots_for(n, k, 256, ctas) == most
+    if ctas == 132:  # Ouro-1.4B at 132 SMs: qkv 3, o 5, gate_up 2, down 5 slots
+        assert most == {(6144, 2048): 3, (2048, 2048): 5, (11264, 2048): 2, (2048, 5632): 5}.get((n, k), most)
 
 
 def test_ring_fits_the_budget_and_keeps_two_slots():
@@ -88,16 +85,21 @@ def reference(x, w, silu_mul):
 @needs_hopper
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("m", [1, 5, 8, 16])
-@pytest.mark.parametrize("parts", [0, -1])
-def test_matches_linear_bit_stable_and_row_independent(n, k, m, parts):
+@pytest.mark.parametrize("partial", [False, True])
+def test_matches_linear_bit_stable_and_row_independent(n, k, m, partial):
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     silu = k == 5632  # down: its input is the fused gate/up output
     w = (0.02 * torch.randn(n, k, device="cuda", generator=gen)).to(torch.bfloat16)
     x = torch.randn(m, 2 * k if silu else k, device="cuda", generator=gen).to(torch.bfloat16)
 
     def run(rows):
-        y = tc_gemm.tc_linear(rows, w, silu, parts=parts)
-        return y.sum(0) if parts else y.float()
+        y = tc_gemm.tc_linear(rows, w, silu, partial=partial)
+        if not partial:
+            return y.float()
+        total = y[0].clone()
+        for s in y[1:]:  # in slot order, as the consumers add them
+            total += s
+        return total
 
     got, want = run(x), reference(x, w, silu)
     # fp32 accumulation in another order, plus one bf16 rounding of the output (none for partials).

@@ -21,6 +21,10 @@ bf16, 16 heads of 128, 1-16 rows, contexts 192-4096) it then saves -0.9 to +3.3 
 against the three launches, whose latencies PDL already overlaps; the sure gain is
 one graph node and one host launch in place of three.
 
+q, k and v may also come as the qkv matmul's fp32 partial products (tc_linear with partial, [S, N, H, D]
+views): each program adds a value's S slots in order and rounds it to the cache dtype, as the matmul
+would have, before the RoPE (the sum leaves the matmul's tail; docs/benchmarks.md, seventeenth session).
+
 Launch grid and scratch depend only on shapes, so calls are CUDA-graph capturable;
 the counters are allocated on the first eager call (warm-up), never during capture.
 Calls that share the counters must be ordered (one stream).
@@ -65,15 +69,28 @@ def _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HALF: tl.constexpr, HEA
 
 
 @triton.jit
-def _rotated(x_row_ptr, heads, h_valid, stride_h, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-             D_P2: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+def _value(ptrs, mask, stride_p, PARTS: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    # A projection's values in fp32: loaded, or (PARTS > 0) its PARTS fp32 partial products added in slot
+    # order and rounded to DTYPE, as the matmul rounds its output.
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 0:
+        for p in tl.static_range(1, PARTS):
+            x += tl.load(ptrs + p * stride_p, mask=mask, other=0.0)
+        x = round_to(x, DTYPE, INTERPRETED).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rotated(x_row_ptr, heads, h_valid, stride_h, stride_p, cos, sin, HALF: tl.constexpr,
+             HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, DTYPE: tl.constexpr, PARTS: tl.constexpr,
+             INTERPRETED: tl.constexpr):  # fmt: skip
     # Heads [H] of one token rotated, [H, D_P2] in DTYPE: every lane computes its pair with
     # rope_write_kv's expressions (x1*cos - x2*sin, x2*cos + x1*sin in fp32) and keeps its half.
     offs_d = tl.arange(0, D_P2)
     mask = h_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
     ptrs = x_row_ptr + heads[:, None] * stride_h + (offs_d % HALF)[None, :]
-    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = _value(ptrs, mask, stride_p, PARTS, DTYPE, INTERPRETED)
+    x2 = _value(ptrs + HALF, mask, stride_p, PARTS, DTYPE, INTERPRETED)
     lo = x1 * cos[None, :] - x2 * sin[None, :]
     hi = x2 * cos[None, :] + x1 * sin[None, :]
     return round_to(tl.where((offs_d < HALF)[None, :], lo, hi), DTYPE, INTERPRETED)
@@ -141,6 +158,7 @@ def _fused_decode_kernel(
     stride_vch,
     stride_t,
     stride_bt,
+    stride_p,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -150,10 +168,13 @@ def _fused_decode_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PARTS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
+    # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
+    DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,13 +192,14 @@ def _fused_decode_kernel(
     g_valid = offs_g < GROUP
     head = kv_head * GROUP + offs_g
     # The rotated q as rope_write_kv would store it, then read back as paged_decode_attention does.
-    q = _rotated(q_ptr + tok * stride_qn, head, g_valid, stride_qh, cos, sin, HEAD_DIM // 2, HEAD_DIM, D_P2,
-                 q_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)  # fmt: skip
+    q = _rotated(q_ptr + tok * stride_qn, head, g_valid, stride_qh, stride_p, cos, sin, HEAD_DIM // 2,
+                 HEAD_DIM, D_P2, DTYPE, PARTS, INTERPRETED).to(tl.float32)  # fmt: skip
     one = tl.arange(0, 1)
-    k_new = _rotated(k_ptr + tok * stride_kn, kv_head + one, one == 0, stride_kh, cos, sin, HEAD_DIM // 2,
-                     HEAD_DIM, D_P2, kc_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
+    k_new = _rotated(k_ptr + tok * stride_kn, kv_head + one, one == 0, stride_kh, stride_p, cos, sin,
+                     HEAD_DIM // 2, HEAD_DIM, D_P2, DTYPE, PARTS, INTERPRETED)  # fmt: skip
     offs_d = tl.arange(0, D_P2)[None, :]
-    v_new = tl.load(v_ptr + tok * stride_vn + kv_head * stride_vh + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+    v_ptrs = v_ptr + tok * stride_vn + kv_head * stride_vh + offs_d
+    v_new = _value(v_ptrs, offs_d < HEAD_DIM, stride_p, PARTS, DTYPE, INTERPRETED).to(DTYPE)
     # slot < 0 writes nothing: the key and value at q_pos are the cache's, as in the three launches.
     new_pos = tl.where(slot >= 0, q_pos, -1)
     m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_ptr + row * stride_bt, kv_head, start, end, scale_log2,
@@ -228,7 +250,9 @@ def fused_decode_attention(
     """rope_write_kv then paged_decode_attention in one launch, bit for bit; returns out [N, Hq, D].
 
     q [N, Hq, D], k, v [N, Hkv, D]: UNROTATED projections (any row and head strides,
-    contiguous last dimension: column views of one qkv output work); slot_mapping,
+    contiguous last dimension: column views of one qkv output work); or each [S, N, H, D] fp32, the
+    qkv matmul's partial products (views of one tc_linear(partial=True) output, one slot stride),
+    added in slot order and rounded to the cache dtype before use; slot_mapping,
     positions [N] and cos_sin (rope_cos_sin_table) as for rope_write_kv; the paged
     metadata, scale, out and config (keys of decode_config) as for
     paged_decode_attention. Only each row's token is rotated and written: row r's
@@ -240,12 +264,17 @@ def fused_decode_attention(
     paged_decode_attention plus per-device arrival counters (allocated on the first
     call of a shape; never during CUDA-graph capture).
     """
+    parts, stride_p = (q.shape[0], q.stride(0)) if q.dim() == 4 else (0, 0)
+    if parts:
+        _check_partials(q, k, v)
+        q, k, v = q[0], k[0], v[0]  # slot 0's views: a token's and a head's strides
+    dt = k_cache.dtype
     n, hq, d, hkv, r = check_paged_inputs(
-        q, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off
+        _typed(q, dt), k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off
     )
-    _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n, hkv, d)
+    _check_rope_kv(_typed(k, dt), _typed(v, dt), k_cache, slot_mapping, positions, cos_sin, n, hkv, d)
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=dt, device=q.device)
     check_float("out", out)
     if r == 0 or n == 0:
         return out
@@ -263,12 +292,24 @@ def fused_decode_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        cos_sin.stride(0), block_tables.stride(0),
+        cos_sin.stride(0), block_tables.stride(0), stride_p,
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
-        D_P2=next_pow2(d), PAGE=block_size, INTERPRETED=interpreting(), **cfg,
+        D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
         USE_PDL=pdl_enabled(q.device),  # but no launch_pdl: see the module docstring
     )  # fmt: skip
     return out
+
+
+def _check_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not (k.dim() == v.dim() == 4 and q.dtype == k.dtype == v.dtype == torch.float32):
+        raise ValueError("partial q, k and v must each be float32 [S, N, H, D]")
+    if not (q.shape[0] == k.shape[0] == v.shape[0] and q.stride(0) == k.stride(0) == v.stride(0)):
+        raise ValueError("partial q, k and v must be views of one partial output (one slot count and stride)")
+
+
+def _typed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # t itself, or a storage-less stand-in of its shape in dtype (for the shape and dtype checks).
+    return t if t.dtype == dtype else torch.empty(t.shape, dtype=dtype, device="meta")
 
 
 def _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n: int, hkv: int, d: int) -> None:

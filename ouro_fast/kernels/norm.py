@@ -42,11 +42,21 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # before the wait: nothing writes it
     pdl_enter(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = _rms(x, w, H, eps, o_ptr.dtype.element_ty, INTERPRETED)
     tl.store(o_ptr + row * stride_o + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stamp(ts_ptr, k: tl.constexpr, STAMP: tl.constexpr):
+    # STAMP (benchmark timelines only): this program's global-timer time (ns) of event k (0 start,
+    # 1 PDL wait over, 2 done).
+    if STAMP:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)  # fmt: skip
+        tl.store(ts_ptr + tl.program_id(0) * 4 + k, now)
 
 
 @triton.jit
@@ -63,29 +73,38 @@ def _add_rms_norm_kernel(
     stride_ho,
     stride_xo,
     stride_part,
+    ts_ptr,
     H: tl.constexpr,
     PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
+    STAMP: tl.constexpr,
+    EVICT_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     dtype = h_out_ptr.dtype.element_ty
+    _stamp(ts_ptr, 0, STAMP)
+    # The weights before the PDL wait (no kernel writes them): while the matmul behind this norm
+    # streams its own weights, a load that misses L2 waits microseconds (docs/benchmarks.md, 17th session).
+    w_a = tl.load(w_a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w_next = tl.load(w_next_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pdl_enter(USE_PDL)
+    _stamp(ts_ptr, 1, STAMP)
+    # Every load before the first store: one round trip (the compiler keeps loads behind a store).
+    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0, eviction_policy=EVICT_H).to(tl.float32)
     a = tl.load(a_ptr + row * stride_a + offs, mask=mask, other=0.0).to(tl.float32)
     for p in tl.static_range(1, PARTS):  # a matmul's fp32 partial products, added in order, then rounded
         a += tl.load(a_ptr + p * stride_part + row * stride_a + offs, mask=mask, other=0.0)
     if PARTS > 0:
         a = round_to(a, dtype, INTERPRETED).to(tl.float32)
-    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-    w_a = tl.load(w_a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h_new = round_to(h + _rms(a, w_a, H, eps, dtype, INTERPRETED), dtype, INTERPRETED)
-    tl.store(h_out_ptr + row * stride_ho + offs, h_new, mask=mask)
-    w_next = tl.load(w_next_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_out_ptr + row * stride_ho + offs, h_new, mask=mask, eviction_policy=EVICT_H)
     x = _rms(h_new.to(tl.float32), w_next, H, eps, dtype, INTERPRETED)
     tl.store(x_out_ptr + row * stride_xo + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
+    _stamp(ts_ptr, 2, STAMP)
 
 
 def _check_rows(x: torch.Tensor, w: torch.Tensor, name: str) -> None:
@@ -119,6 +138,7 @@ def add_rms_norm(
     eps: float,
     h_out: torch.Tensor | None = None,
     x_out: torch.Tensor | None = None,
+    stamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h_new = h + RMS(a, weight_a); x = RMS(h_new, weight_next); returns (h_new, x), each [N, H].
 
@@ -127,6 +147,8 @@ def add_rms_norm(
     h_out may be h itself (in place). All tensors share one dtype, except that a may also be
     a matmul's fp32 partial products [P, N, H] (tc_linear's parts): they are added in order
     and rounded to the dtype, as the matmul's own output would be.
+    stamps (benchmark timelines, CUDA only): int64 [N, 4] that receives each row's global-timer stamps
+    (start, PDL wait over, done).
     """
     _check_rows(h, weight_a, "h")
     parts = a.shape[0] if a.dim() == 3 else 0
@@ -148,8 +170,9 @@ def add_rms_norm(
         _add_rms_norm_kernel[(h.shape[0],)](
             h, a, weight_a, weight_next, h_out, x_out, eps,
             h.stride(0), a.stride(-2), h_out.stride(0), x_out.stride(0), a.stride(0) if parts else 0,
+            h if stamps is None else stamps,
             H=n, PARTS=parts, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=_warps(n),
-            **pdl_launch(h.device, "norm"),
+            STAMP=stamps is not None, EVICT_H=_EVICT_H, **pdl_launch(h.device, "norm"),
         )  # fmt: skip
     return h_out, x_out
 
@@ -162,3 +185,4 @@ def _warps(h: int) -> int:
 
 
 _WARPS = int(os.environ.get("OURO_FAST_NORM_WARPS", "0"))  # for A/B runs on the GPU; 0: by the row's size
+_EVICT_H = os.environ.get("OURO_FAST_NORM_EVICT", "")  # A/B: the residual's L2 policy ("evict_last")

@@ -11,9 +11,12 @@ drains the weight stream at its end (docs/benchmarks.md, fifth to seventh sessio
 - the grid is balanced: each CTA owns one contiguous range of the weight's tiles numbered group-major
   (a group: 64 output features over all of K). A group split between CTAs is summed in a fixed order by
   the last of its contributors to arrive (fp32 partials in a workspace, a counter per group that the last
-  resets). With `parts`, K is instead cut into fixed ranges whose fp32 partial products go out as they
-  are, for the consumer (add_rms_norm) to add in order: no sums at the matmul's tail (o_proj, down).
-  Either way results do not depend on scheduling, and each row's result does not depend on the others.
+  resets). With `partial`, each contributor instead stores its fp32 partial product in its own slot of
+  the output [S, M, N] (slot j: the group's j-th contributor; the first zero-fills the slots past the
+  last), for the consumer (add_rms_norm, the decode attention) to add in slot order: no fences, counters
+  or sums at the matmul's tail, which cost microseconds (docs/benchmarks.md, sixteenth and seventeenth
+  sessions). Either way results do not depend on scheduling, and each row's result does not depend on the
+  others; the slot sum equals the in-kernel sum bit for bit (same order, from zero).
 With SILU_MUL, x is a fused gate/up output [M, 2F] and the matmul's input is silu(x[:, :F]) * x[:, F:],
 rounded as silu_and_mul rounds it (the down projection).
 
@@ -58,6 +61,8 @@ CONFIG = tuple(int(v) for v in os.environ.get("OURO_FAST_TC_CONFIG", "256:4:1").
 # Shared memory a CTA may take: one CTA a SM with a 4-slot ring. Two a SM (112 KB each, the next matmul's
 # CTAs streaming beside this one's) measured slower (docs/benchmarks.md, sixteenth session).
 SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(225 * 1024)))
+# Weight tiles a CTA may load before its PDL wait (A/B runs; the default, 64, fills the ring).
+PREFETCH = int(os.environ.get("OURO_FAST_TC_PREFETCH", "64"))
 
 
 def owner(t: int, tiles: int, ctas: int) -> int:
@@ -78,20 +83,21 @@ def ring_slots(tc: int, ntok: int, silu_mul: bool, most: int, budget: int = SMEM
     return max(2, min(most, (budget - fixed - 1024) // (TR * tc * 2 + nx * ntok * tc * 2)))
 
 
-def grid_ctas(n: int, k: int, tc: int, parts: int, sms: int, per_sm: int) -> int:
-    """CTAs of a launch: one range per CTA, at most one CTA per tile (per item of k / tc / parts tiles)."""
-    return min(sms * per_sm, (n // TR) * max(parts, 1) if parts else (n // TR) * (k // tc))
+def grid_ctas(n: int, k: int, tc: int, sms: int, per_sm: int) -> int:
+    """CTAs of a launch: one range per CTA, at most one CTA per tile."""
+    return min(sms * per_sm, (n // TR) * (k // tc))
 
 
 @functools.cache
-def parts_for(n: int, k: int, tc: int, sms: int, per_sm: int) -> int:
-    """K's cut for a matmul whose consumer adds partial products: the divisor S of k / tc that gives the
-    fewest tiles to the busiest CTA (items of k / tc / S tiles, n / 64 * S of them), the smallest on a tie."""
-    kt, groups, ctas = k // tc, n // TR, sms * per_sm
-    return min((-(-groups * s // ctas) * (kt // s), s) for s in range(1, kt + 1) if kt % s == 0)[1]
+def slots_for(n: int, k: int, tc: int, ctas: int) -> int:
+    """Slots of a partial output: the most CTAs that share one row group."""
+    kt = k // tc
+    tiles = (n // TR) * kt
+    ctas = min(ctas, tiles)
+    return max(contributors(g, kt, tiles, ctas)[1] for g in range(n // TR))
 
 
-def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, parts: int = 0) -> bool:
+def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> bool:
     """True when tc_linear takes this call: CUDA, Hopper, bf16, 1-16 rows, shapes that tile evenly."""
     if not (ENABLED and HAVE_GLUON and pdl_enabled(x.device)):  # pdl_enabled: CUDA, sm >= 90, compiled
         return False
@@ -101,8 +107,7 @@ def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, parts: i
     tc = CONFIG[0]
     kx = x.shape[1] // 2 if silu_mul else x.shape[1]
     aligned = x.stride(1) == 1 and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
-    even = k % tc == 0 and (parts == 0 or (k // tc) % parts == 0)
-    return kx == k and n % TR == 0 and even and w.is_contiguous() and aligned
+    return kx == k and n % TR == 0 and k % tc == 0 and w.is_contiguous() and aligned
 
 
 if HAVE_GLUON:
@@ -138,18 +143,20 @@ if HAVE_GLUON:
             gl.store(ts_ptr + gl.program_id(0) * 4 + k, global_timer())
 
     @gluon.jit
-    def _range(T, G, TPI):
-        # This CTA's tiles: [lo, lo + n), whole items of TPI tiles (TPI = 1: any tile range).
+    def _range(T, G):
+        # This CTA's tiles: [lo, lo + n).
         c = gl.program_id(0)
-        lo = (c * (T // TPI)) // G
-        return lo * TPI, (((c + 1) * (T // TPI)) // G - lo) * TPI
+        lo = (c * T) // G
+        return lo, ((c + 1) * T) // G - lo
 
     @gluon.jit
-    def _wloader(w_desc, ring, wready, empty, T, G, KT, TPI, NBUF: gl.constexpr):
-        # One warp: the weight tiles, as far ahead as the ring allows, from the start (no PDL wait).
+    def _wloader(w_desc, ring, wready, empty, go, T, G, KT, NBUF: gl.constexpr, PRE: gl.constexpr):
+        # One warp: the weight tiles, as far ahead as the ring allows; the first PRE before the PDL wait.
         TC: gl.constexpr = w_desc.block_type.shape[1]
-        lo, n = _range(T, G, TPI)
+        lo, n = _range(T, G)
         for i in range(n):
+            if i == PRE:
+                mbarrier.wait(go, 0)
             slot = i % NBUF
             mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
             t = lo + i
@@ -158,7 +165,7 @@ if HAVE_GLUON:
                                             ring.index(slot))  # fmt: skip
 
     @gluon.jit
-    def _xloader(x_desc, ts_ptr, xring, xready, empty, T, G, KT, TPI, F, NBUF: gl.constexpr,
+    def _xloader(x_desc, ts_ptr, xring, xready, empty, go, T, G, KT, F, NBUF: gl.constexpr,
                  SILU_MUL: gl.constexpr, STAMP: gl.constexpr):  # fmt: skip
         # One warp: after the PDL wait, each tile's activation chunk (and its up half with SILU_MUL).
         TC: gl.constexpr = x_desc.block_type.shape[1]
@@ -166,10 +173,11 @@ if HAVE_GLUON:
         if EARLY_LAUNCH:
             _gdc_launch()
         _gdc_wait()
+        mbarrier.arrive(go, count=1)
         _stamp(ts_ptr, 1, STAMP)
         if not EARLY_LAUNCH:
             _gdc_launch()
-        lo, n = _range(T, G, TPI)
+        lo, n = _range(T, G)
         for i in range(n):
             slot = i % NBUF
             mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)
@@ -211,23 +219,31 @@ if HAVE_GLUON:
                 gl.atomic_xchg(cnt_ptr + g, 0, sem="relaxed")  # ready for the next call
 
     @gluon.jit
-    def _store_part(acc, out_ptr, g, M, stride_out, ACC: gl.constexpr, NTOK: gl.constexpr):
-        # Rows g * 64.. of an [M, N] fp32 slice (M of the NTOK columns).
+    def _store_slot(acc, out_ptr, g, M, stride_out, T, G, KT, S, ACC: gl.constexpr, NTOK: gl.constexpr):
+        # Row group g's partial from this CTA into its slot of out [S, M, N] fp32 (slot j: the group's
+        # j-th contributor); the first contributor zero-fills the slots past the last.
         offs_r = gl.arange(0, _TR, layout=gl.SliceLayout(1, ACC))
         offs_n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, ACC))
         out = out_ptr + offs_n[None, :] * stride_out + (g * _TR + offs_r)[:, None]
-        gl.store(out, acc, mask=(offs_n[None, :] < M) & (offs_r[:, None] < _TR))
+        mask = (offs_n[None, :] < M) & (offs_r[:, None] < _TR)
+        first = _owner(g * KT, T, G)
+        slot = gl.program_id(0) - first
+        gl.store(out + slot * M * stride_out, acc, mask=mask)
+        if slot == 0:
+            count = _owner(g * KT + KT - 1, T, G) - first + 1
+            for s in range(count, S):
+                gl.store(out + s * M * stride_out, gl.zeros_like(acc), mask=mask)
 
     @gluon.jit
     def _consumer(out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M, stride_out,
-                  T, G, KT, TPI, NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr,
+                  T, G, KT, S, NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr,
                   SILU_MUL: gl.constexpr, PARTS: gl.constexpr, STAMP: gl.constexpr):  # fmt: skip
         # One warpgroup: a wgmma per tile; a group's sums are finished when its last tile in the range is.
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, NTOK, 16])  # fmt: skip
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         _stamp(ts_ptr, 0, STAMP)
-        lo, n = _range(T, G, TPI)
+        lo, n = _range(T, G)
         acc = gl.zeros([_TR, NTOK], gl.float32, ACC)
         for i in range(n):
             slot = i % NBUF
@@ -246,26 +262,23 @@ if HAVE_GLUON:
             else:
                 xt = xring.index(slot).permute((1, 0))  # [TC, NTOK], K-major
             mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
-            if PARTS:  # an item's first tile starts its sum
-                fresh = b % TPI == 0
-            else:
-                fresh = (b == 0) | (i == 0)
+            fresh = (b == 0) | (i == 0)  # a group's first tile here starts its sum
             acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=not fresh, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(slot), count=1)
             if i == 0:
                 _stamp(ts_ptr, 2, STAMP)
-            if PARTS:  # an item's last tile: its fp32 partial into slot b // TPI of out [S, M, N]
-                if b % TPI == TPI - 1:
-                    _store_part(acc, out_ptr + (b // TPI) * M * stride_out, g, M, stride_out, ACC, NTOK)
-            elif (b == KT - 1) | (i == n - 1):
-                _finish(acc, out_ptr, part_ptr, cnt_ptr, g, M, stride_out, T, G, KT, ACC, NTOK)
+            if (b == KT - 1) | (i == n - 1):  # the group's last tile here
+                if PARTS:
+                    _store_slot(acc, out_ptr, g, M, stride_out, T, G, KT, S, ACC, NTOK)
+                else:
+                    _finish(acc, out_ptr, part_ptr, cnt_ptr, g, M, stride_out, T, G, KT, ACC, NTOK)
         _stamp(ts_ptr, 3, STAMP)
 
     @gluon.jit
-    def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, ts_ptr, M, stride_out, T, G, KT, TPI, F,
+    def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, ts_ptr, M, stride_out, T, G, KT, S, F,
                         NBUF: gl.constexpr, SILU_MUL: gl.constexpr, PARTS: gl.constexpr,
-                        STAMP: gl.constexpr):  # fmt: skip
+                        STAMP: gl.constexpr, PRE: gl.constexpr):  # fmt: skip
         TC: gl.constexpr = w_desc.block_type.shape[1]
         NTOK: gl.constexpr = x_desc.block_type.shape[0]
         NX: gl.constexpr = 2 if SILU_MUL else 1
@@ -277,15 +290,17 @@ if HAVE_GLUON:
         wready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         xready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the PDL wait is over
+        mbarrier.init(go, count=1)
         for k in gl.static_range(NBUF):
             mbarrier.init(wready.index(k), count=1)
             mbarrier.init(xready.index(k), count=1)
             mbarrier.init(empty.index(k), count=1)
         gl.warp_specialize([
             (_consumer, (out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M,
-                         stride_out, T, G, KT, TPI, NBUF, NTOK, TC, SILU_MUL, PARTS, STAMP)),
-            (_wloader, (w_desc, ring, wready, empty, T, G, KT, TPI, NBUF)),
-            (_xloader, (x_desc, ts_ptr, xring, xready, empty, T, G, KT, TPI, F, NBUF, SILU_MUL, STAMP)),
+                         stride_out, T, G, KT, S, NBUF, NTOK, TC, SILU_MUL, PARTS, STAMP)),
+            (_wloader, (w_desc, ring, wready, empty, go, T, G, KT, NBUF, PRE)),
+            (_xloader, (x_desc, ts_ptr, xring, xready, empty, go, T, G, KT, F, NBUF, SILU_MUL, STAMP)),
         ], [1, 1], [40, 40])  # fmt: skip
 
 
@@ -319,26 +334,23 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, parts: int = 0,
+def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bool = False,
               stamps: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (M <= 16); with silu_mul, x is [M, 2K] (gate then up).
 
-    parts > 0: K is cut into `parts` equal ranges and the result is their fp32 partial products
-    [parts, M, N], for the consumer to add in order (no sums between CTAs in the kernel); parts < 0:
-    the cut parts_for picks.
+    partial: return fp32 partial products [S, M, N] instead (S = slots_for the shape), whose sum in slot
+    order is the product (for the consumer to add: no sums between CTAs in the kernel).
     stamps: int64 [CTAs, 4] that receives each CTA's global-timer stamps (start, PDL wait over, first
-    tile multiplied, done), for the benchmark's timeline. Call only where supported(x, w, silu_mul, parts)."""
+    tile multiplied, done), for the benchmark's timeline. Call only where supported(x, w, silu_mul)."""
     tc, nbuf, per_sm = CONFIG
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     ntok = 8 if m <= 8 else 16
     kt = k // tc
     tiles = (n // TR) * kt
-    if parts < 0:
-        parts = parts_for(n, k, tc, _sms(x.device.index or 0), per_sm)
-    tpi = kt // parts if parts else 1
-    ctas = grid_ctas(n, k, tc, parts, _sms(x.device.index or 0), per_sm)
-    if parts:
-        out = torch.empty(parts, m, n, device=x.device, dtype=torch.float32)
+    ctas = grid_ctas(n, k, tc, _sms(x.device.index or 0), per_sm)
+    slots = slots_for(n, k, tc, ctas) if partial else 0
+    if partial:
+        out = torch.empty(slots, m, n, device=x.device, dtype=torch.float32)
     else:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     wl = gl.NVMMASharedLayout.get_default_for([TR, tc], gl.bfloat16)
@@ -348,8 +360,8 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, parts: i
     part, cnt = _WORKSPACE.get(x.device, (n // TR) * kt * TR * ntok, n // TR)
     ts = cnt if stamps is None else stamps
     _tc_gemm_kernel[(ctas,)](
-        w_desc, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, tpi, k,
-        NBUF=ring_slots(tc, ntok, silu_mul, nbuf), SILU_MUL=silu_mul, PARTS=parts > 0,
-        STAMP=stamps is not None, num_warps=4, maxnreg=128, launch_pdl=True,
+        w_desc, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, slots, k,
+        NBUF=ring_slots(tc, ntok, silu_mul, nbuf), SILU_MUL=silu_mul, PARTS=partial,
+        STAMP=stamps is not None, PRE=PREFETCH, num_warps=4, maxnreg=128, launch_pdl=True,
     )  # fmt: skip
     return out

@@ -23,10 +23,10 @@ from .ouro import OuroForCausalLM
 def linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bool = False) -> torch.Tensor:
     """x @ w.T (of silu(gate) * up with silu_mul): tensor cores on Hopper, else the skinny kernel.
 
-    partial: where the tensor-core kernel takes the call, return fp32 partial products over cuts of K
-    [P, M, N] instead (for add_rms_norm to add in order; no sums between CTAs inside the matmul)."""
+    partial: where the tensor-core kernel takes the call, return its fp32 partial products [S, M, N]
+    instead (for the consumer to add in slot order; no sums between CTAs inside the matmul)."""
     if tc_gemm.supported(x, w, silu_mul):
-        return tc_gemm.tc_linear(x, w, silu_mul, parts=-1 if partial else 0)
+        return tc_gemm.tc_linear(x, w, silu_mul, partial=partial)
     return skinny_linear(x, w, silu_mul=silu_mul)
 
 
@@ -40,11 +40,14 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
     cfg = model.config
     layers, eps = model.model.layers, cfg.rms_norm_eps
     n, hq, hkv, d = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qkv_partial = getattr(attn, "takes_partials", lambda: False)()  # the fused decode attention adds them
     x = rms_norm(h, layers[0].input_layernorm.weight, eps)
     for i, layer in enumerate(layers):
         sa, mlp = layer.self_attn, layer.mlp
-        q, k, v = linear(x, sa.qkv_weight).split((hq * d, hkv * d, hkv * d), dim=-1)
-        o = attn(i, q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)).reshape(n, hq * d)
+        qkv = linear(x, sa.qkv_weight, partial=qkv_partial)
+        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+        lead = qkv.shape[:-1]  # [N], or [S, N] for partial products
+        o = attn(i, q.view(*lead, hq, d), k.view(*lead, hkv, d), v.view(*lead, hkv, d)).reshape(n, hq * d)
         a = linear(o, sa.o_proj.weight, partial=True)
         h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
         out = linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True, partial=True)

@@ -103,12 +103,19 @@ class TritonPagedAttention:
                 raise ValueError("max_positions is needed when the backend applies RoPE")
             self.cos_sin = rope_cos_sin_table(max_positions, kv_cache.shape[-1], rope_theta, kv_cache.device)
 
+    def takes_partials(self) -> bool:
+        """True when this call's q, k, v may be the qkv matmul's fp32 partial products [S, N, H, D]
+        (the fused decode kernel adds them)."""
+        return self.batch.max_q_len == 1 and self.applies_rope and FUSED_DECODE
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
         kc, vc = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
         meta = (b.block_tables, b.row_q_start, b.row_len, b.row_tok_off, self.block_size)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        if b.max_q_len == 1 and self.applies_rope and FUSED_DECODE:
+        if q.dim() == 4 and not self.takes_partials():
+            raise ValueError("partial q, k, v are taken only by decode calls with RoPE (takes_partials)")
+        if self.takes_partials():
             # Decode-only call: one launch instead of three (each launch costs ~2-3 us of latency).
             return fused_decode_attention(
                 q, k, v, kc, vc, b.slot_mapping, b.positions, self.cos_sin, *meta, scale
