@@ -52,6 +52,19 @@ def test_slots_for_is_the_most_ctas_sharing_a_group(n, k, ctas):
         assert most == {(6144, 2048): 3, (2048, 2048): 5, (11264, 2048): 2, (2048, 5632): 5}.get((n, k), most)
 
 
+def test_launch_plan_gives_gate_up_a_cta_per_row_group():
+    # gate_up's 176 row groups on 132 SMs: one CTA each, two an SM with half the shared memory, so that no
+    # group is split between CTAs; partial outputs and shapes with fewer groups than SMs keep the ranges.
+    if not tc_gemm.WHOLE:
+        pytest.skip("OURO_FAST_TC_WHOLE=0 in the environment")
+    ctas, budget = tc_gemm.launch_plan(11264, 2048, 256, 132, 1, partial=False)
+    assert (ctas, budget) == (176, tc_gemm.WHOLE_SMEM) and 2 * (budget + 1024) <= 228 * 1024
+    assert tc_gemm.ring_slots(256, 8, False, 4, budget) == 3
+    assert tc_gemm.launch_plan(11264, 2048, 256, 132, 1, partial=True) == (132, tc_gemm.SMEM_BUDGET)
+    assert tc_gemm.launch_plan(6144, 2048, 256, 132, 1, partial=False) == (132, tc_gemm.SMEM_BUDGET)
+    assert tc_gemm.launch_plan(11264, 2048, 256, 64, 1, partial=False)[0] == 64  # over twice the SMs
+
+
 def test_ring_fits_the_budget_and_keeps_two_slots():
     for tc, ntok, silu in [(256, 8, False), (256, 16, True), (128, 16, False)]:
         nbuf = tc_gemm.ring_slots(tc, ntok, silu, most=8, budget=225 * 1024)

@@ -33,6 +33,7 @@ Calls that share the counters must be ordered (one stream).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -295,7 +296,7 @@ def fused_decode_attention(
         cos_sin.stride(0), block_tables.stride(0), stride_p,
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
         D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
-        USE_PDL=pdl_enabled(q.device),  # but no launch_pdl: see the module docstring
+        USE_PDL=pdl_enabled(q.device), launch_pdl=_EARLY_LAUNCH and pdl_enabled(q.device),
     )  # fmt: skip
     return out
 
@@ -326,6 +327,9 @@ def _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n: int, hkv:
     if d % 2 or cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != d:
         raise ValueError("RoPE needs an even head_dim and cos_sin float32 [max_positions, head_dim]")
 
+
+# A/B: OURO_FAST_FUSED_DECODE_PDL=1 launches the kernel with the PDL attribute (see the module docstring).
+_EARLY_LAUNCH = os.environ.get("OURO_FAST_FUSED_DECODE_PDL", "0") == "1"
 
 # Per device: the arrival counters (all zero between launches).
 _COUNTERS = ArrivalCounters("fused_decode_attention", _MIN_COUNTERS)

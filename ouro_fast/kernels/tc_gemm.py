@@ -63,6 +63,11 @@ CONFIG = tuple(int(v) for v in os.environ.get("OURO_FAST_TC_CONFIG", "256:4:1").
 SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(225 * 1024)))
 # Weight tiles a CTA may load before its PDL wait (A/B runs; the default, 64, fills the ring).
 PREFETCH = int(os.environ.get("OURO_FAST_TC_PREFETCH", "64"))
+# Where row groups outnumber SMs (up to twice: gate_up's 176 on 132), a CTA per group, two an SM, each
+# with half the ring: no group split between CTAs, so no sums at the tail (H200: loop 1.014 / 1.125 ms
+# at 1 / 8 rows against 1.072 / 1.172; docs/benchmarks.md, seventeenth session). OURO_FAST_TC_WHOLE=0: off.
+WHOLE = os.environ.get("OURO_FAST_TC_WHOLE", "1") != "0"
+WHOLE_SMEM = 113 * 1024  # two CTAs a SM
 
 
 def owner(t: int, tiles: int, ctas: int) -> int:
@@ -86,6 +91,15 @@ def ring_slots(tc: int, ntok: int, silu_mul: bool, most: int, budget: int = SMEM
 def grid_ctas(n: int, k: int, tc: int, sms: int, per_sm: int) -> int:
     """CTAs of a launch: one range per CTA, at most one CTA per tile."""
     return min(sms * per_sm, (n // TR) * (k // tc))
+
+
+def launch_plan(n: int, k: int, tc: int, sms: int, per_sm: int, partial: bool) -> tuple[int, int]:
+    """(CTAs, shared-memory budget a CTA): a range of tiles each, or with WHOLE, where the row groups
+    outnumber the CTAs but not twice the SMs and no partial output is asked for, a group each."""
+    ctas = grid_ctas(n, k, tc, sms, per_sm)
+    if WHOLE and not partial and ctas < n // TR <= 2 * sms:
+        return n // TR, min(SMEM_BUDGET, WHOLE_SMEM)
+    return ctas, SMEM_BUDGET
 
 
 @functools.cache
@@ -347,7 +361,7 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     ntok = 8 if m <= 8 else 16
     kt = k // tc
     tiles = (n // TR) * kt
-    ctas = grid_ctas(n, k, tc, _sms(x.device.index or 0), per_sm)
+    ctas, budget = launch_plan(n, k, tc, _sms(x.device.index or 0), per_sm, partial)
     slots = slots_for(n, k, tc, ctas) if partial else 0
     if partial:
         out = torch.empty(slots, m, n, device=x.device, dtype=torch.float32)
@@ -361,7 +375,7 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     ts = cnt if stamps is None else stamps
     _tc_gemm_kernel[(ctas,)](
         w_desc, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, slots, k,
-        NBUF=ring_slots(tc, ntok, silu_mul, nbuf), SILU_MUL=silu_mul, PARTS=partial,
+        NBUF=ring_slots(tc, ntok, silu_mul, nbuf, budget), SILU_MUL=silu_mul, PARTS=partial,
         STAMP=stamps is not None, PRE=PREFETCH, num_warps=4, maxnreg=128, launch_pdl=True,
     )  # fmt: skip
     return out
