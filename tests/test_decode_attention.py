@@ -327,6 +327,14 @@ def test_fused_decode_takes_the_qkv_matmuls_partial_products(splits):
         fused({**partial, "v": pv[:2].reshape(2, n, hkv, d)}, bs, config)
 
 
+def test_fused_decode_launches_plainly_without_pdl():
+    # Off CUDA (or before Hopper) there is no PDL: never the attribute, whatever the grid.
+    if DEV == "cpu":
+        assert not fused_decode.pdl_launch_ok(torch.device("cpu"), 1)
+    else:
+        assert fused_decode.pdl_launch_ok(torch.device(DEV), 10**6) is (fused_decode._PDL_LAUNCH == "1")
+
+
 def test_fused_decode_rejects_bad_inputs():
     case = rope_case([3], 4, 2, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="power of two"):

@@ -12,11 +12,14 @@ split order and resets the counter. The arithmetic is the three-launch path's,
 operation for operation, so results and the cache are bit-identical to it (tested
 under the interpreter and on the H200).
 
-PDL: the kernel waits and releases its successor as every decode kernel does, but is
-launched WITHOUT the PDL attribute. Launched early, behind the qkv matmul, its CTAs
-went to the SMs the matmul freed first (measured on the H200: 256 CTAs on 30 SMs, up
-to 14 each), which made a layer up to twice as slow at one row; launched plainly it
-starts on an idle GPU. Measured per layer in a CUDA graph (qkv, attention, o_proj;
+PDL: the kernel waits and releases its successor as every decode kernel does; it is
+launched with the PDL attribute only while rows x KV heads fit the SMs (pdl_launch_ok).
+Launched early behind the Triton skinny qkv matmul, its CTAs went to the SMs the matmul
+freed first (measured on the H200: 256 CTAs on 30 SMs, up to 14 each), which made a
+layer up to twice as slow at one row; launched plainly it starts on an idle GPU. Behind
+the tensor-core qkv (one CTA an SM, room beside it) an early launch measured faster at
+1 row and the same at 8 (loop 0.982 / 1.118 ms against 1.015 / 1.124), slower at 16
+(1.304 against 1.283; seventeenth session). Measured per layer in a CUDA graph (qkv, attention, o_proj;
 bf16, 16 heads of 128, 1-16 rows, contexts 192-4096) it then saves -0.9 to +3.3 us
 against the three launches, whose latencies PDL already overlaps; the sure gain is
 one graph node and one host launch in place of three.
@@ -39,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tc_gemm
 from ._util import ArrivalCounters, check_float, check_paged_inputs, check_same_dtype, interpreting, next_pow2
 from .decode_attention import (
     attend_slice,
@@ -296,7 +300,7 @@ def fused_decode_attention(
         cos_sin.stride(0), block_tables.stride(0), stride_p,
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
         D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
-        USE_PDL=pdl_enabled(q.device), launch_pdl=_EARLY_LAUNCH and pdl_enabled(q.device),
+        USE_PDL=pdl_enabled(q.device), launch_pdl=pdl_launch_ok(q.device, r * hkv),
     )  # fmt: skip
     return out
 
@@ -328,8 +332,18 @@ def _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n: int, hkv:
         raise ValueError("RoPE needs an even head_dim and cos_sin float32 [max_positions, head_dim]")
 
 
-# A/B: OURO_FAST_FUSED_DECODE_PDL=1 launches the kernel with the PDL attribute (see the module docstring).
-_EARLY_LAUNCH = os.environ.get("OURO_FAST_FUSED_DECODE_PDL", "0") == "1"
+def pdl_launch_ok(device: torch.device, row_heads: int) -> bool:
+    """Launch with the PDL attribute: PDL on, the tensor-core matmuls on, and rows x KV heads at most the
+    SMs (OURO_FAST_FUSED_DECODE_PDL=0/1 overrides, for A/B runs)."""
+    if not pdl_enabled(device):
+        return False
+    if _PDL_LAUNCH in ("0", "1"):
+        return _PDL_LAUNCH == "1"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tc_gemm.ENABLED and row_heads <= tc_gemm._sms(index)
+
+
+_PDL_LAUNCH = os.environ.get("OURO_FAST_FUSED_DECODE_PDL", "")
 
 # Per device: the arrival counters (all zero between launches).
 _COUNTERS = ArrivalCounters("fused_decode_attention", _MIN_COUNTERS)
