@@ -80,28 +80,27 @@ def _add_rms_norm_kernel(
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
     STAMP: tl.constexpr,
-    EVICT_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     dtype = h_out_ptr.dtype.element_ty
     _stamp(ts_ptr, 0, STAMP)
-    # The weights before the PDL wait (no kernel writes them): while the matmul behind this norm
-    # streams its own weights, a load that misses L2 waits microseconds (docs/benchmarks.md, 17th session).
+    # The weights before the PDL wait (no kernel writes them): off the wait's critical path. After it the
+    # loads queue behind the next matmul's weight stream (docs/benchmarks.md, seventeenth session).
     w_a = tl.load(w_a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w_next = tl.load(w_next_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pdl_enter(USE_PDL)
     _stamp(ts_ptr, 1, STAMP)
     # Every load before the first store: one round trip (the compiler keeps loads behind a store).
-    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0, eviction_policy=EVICT_H).to(tl.float32)
+    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + row * stride_a + offs, mask=mask, other=0.0).to(tl.float32)
     for p in tl.static_range(1, PARTS):  # a matmul's fp32 partial products, added in order, then rounded
         a += tl.load(a_ptr + p * stride_part + row * stride_a + offs, mask=mask, other=0.0)
     if PARTS > 0:
         a = round_to(a, dtype, INTERPRETED).to(tl.float32)
     h_new = round_to(h + _rms(a, w_a, H, eps, dtype, INTERPRETED), dtype, INTERPRETED)
-    tl.store(h_out_ptr + row * stride_ho + offs, h_new, mask=mask, eviction_policy=EVICT_H)
+    tl.store(h_out_ptr + row * stride_ho + offs, h_new, mask=mask)
     x = _rms(h_new.to(tl.float32), w_next, H, eps, dtype, INTERPRETED)
     tl.store(x_out_ptr + row * stride_xo + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
     _stamp(ts_ptr, 2, STAMP)
@@ -172,7 +171,7 @@ def add_rms_norm(
             h.stride(0), a.stride(-2), h_out.stride(0), x_out.stride(0), a.stride(0) if parts else 0,
             h if stamps is None else stamps,
             H=n, PARTS=parts, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=_warps(n),
-            STAMP=stamps is not None, EVICT_H=_EVICT_H, **pdl_launch(h.device, "norm"),
+            STAMP=stamps is not None, **pdl_launch(h.device, "norm"),
         )  # fmt: skip
     return h_out, x_out
 
@@ -185,4 +184,3 @@ def _warps(h: int) -> int:
 
 
 _WARPS = int(os.environ.get("OURO_FAST_NORM_WARPS", "0"))  # for A/B runs on the GPU; 0: by the row's size
-_EVICT_H = os.environ.get("OURO_FAST_NORM_EVICT", "")  # A/B: the residual's L2 policy ("evict_last")
