@@ -9,6 +9,8 @@ matmul, fused add + RMSNorm (of the next layer's input, or the final norm after
 the last layer). Up to 16 tokens the matmuls are, on Hopper with bf16, the tensor-core
 kernel (kernels/tc_gemm.py, which streams its weights before its PDL wait), elsewhere the
 skinny Triton kernel (so on Hopper every kernel of the loop is a PDL launch); beyond, cuBLAS.
+On tensor cores qkv (in decode calls), o_proj and down hand out fp32 partial products, which
+the fused decode attention and the norms add: no matmul sums between its CTAs.
 """
 
 from __future__ import annotations
