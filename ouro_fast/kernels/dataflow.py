@@ -359,10 +359,10 @@ def _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table
     if n_q > 0 and not _NOATT:
         qkv = act_ptr + _region_off(1, H, FF, L) + ok + (layer * RP + tok) * (3 * H)
         one = tl.arange(0, 1)
-        q = _rotated(qkv, kv_head + one, one == 0, HEAD_DIM, cos, sin, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM,
-                     act_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)  # fmt: skip
-        k_new = _rotated(qkv + H, kv_head + one, one == 0, HEAD_DIM, cos, sin, HEAD_DIM // 2, HEAD_DIM,
-                         HEAD_DIM, kc_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
+        q = _rotated(qkv, kv_head + one, one == 0, HEAD_DIM, 0, cos, sin, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM,
+                     act_ptr.dtype.element_ty, 0, INTERPRETED).to(tl.float32)  # fmt: skip
+        k_new = _rotated(qkv + H, kv_head + one, one == 0, HEAD_DIM, 0, cos, sin, HEAD_DIM // 2, HEAD_DIM,
+                         HEAD_DIM, kc_ptr.dtype.element_ty, 0, INTERPRETED)  # fmt: skip
         offs_d = tl.arange(0, HEAD_DIM)[None, :]
         v_new = tl.load(qkv + 2 * H + kv_head * HEAD_DIM + offs_d, cache_modifier=".cg")
         new_pos = tl.where(slot >= 0, q_pos, -1)
