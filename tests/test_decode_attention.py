@@ -354,6 +354,20 @@ def rope_backend(case, block_size, layer=1):
     return attn
 
 
+def test_backend_takes_partial_products_only_in_fused_decode_calls():
+    hq, hkv, d, bs = 4, 2, 16, 4
+    case = rope_case([9, 30], bs, hq, hkv, d, torch.float32, seed=22)
+    meta = [case[key] for key in ("block_tables", "row_q_start", "row_len", "row_tok_off")]
+    attn = rope_backend(case, bs)
+    attn.batch = TritonBatch(case["slot_mapping"], case["positions"], *meta, max_q_len=1)
+    assert attn.takes_partials() is triton_attention.FUSED_DECODE
+    attn.batch = TritonBatch(case["slot_mapping"], case["positions"], *meta, max_q_len=2)
+    assert not attn.takes_partials()
+    slots = [case[key][None].repeat(2, 1, 1, 1) for key in ("q", "k", "v")]
+    with pytest.raises(ValueError, match="takes_partials"):
+        attn(1, *slots)
+
+
 def test_backend_routes_rope_decode_calls_to_the_fused_kernel(monkeypatch):
     hq, hkv, d, bs = 4, 2, 16, 4
     case = rope_case([9, 0, 30, 1], bs, hq, hkv, d, torch.float32, seed=21, no_write=(3,))
