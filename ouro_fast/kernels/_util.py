@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,6 +28,14 @@ def check_same_dtype(**tensors: torch.Tensor) -> None:
     dtypes = {name: t.dtype for name, t in tensors.items()}
     if len(set(dtypes.values())) > 1:
         raise ValueError(f"dtypes must match, got {dtypes}")
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (132, the H200's, elsewhere: for configs chosen off the GPU)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def interpreting() -> bool:

@@ -43,7 +43,15 @@ import triton
 import triton.language as tl
 
 from . import tc_gemm
-from ._util import ArrivalCounters, check_float, check_paged_inputs, check_same_dtype, interpreting, next_pow2
+from ._util import (
+    ArrivalCounters,
+    check_float,
+    check_paged_inputs,
+    check_same_dtype,
+    interpreting,
+    next_pow2,
+    sm_count,
+)
 from .decode_attention import (
     attend_slice,
     launch_config,
@@ -339,8 +347,7 @@ def pdl_launch_ok(device: torch.device, row_heads: int) -> bool:
         return False
     if _PDL_LAUNCH in ("0", "1"):
         return _PDL_LAUNCH == "1"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return tc_gemm.ENABLED and row_heads <= tc_gemm._sms(index)
+    return tc_gemm.ENABLED and row_heads <= sm_count(device)
 
 
 _PDL_LAUNCH = os.environ.get("OURO_FAST_FUSED_DECODE_PDL", "")

@@ -23,7 +23,6 @@ during capture. Calls that share the counters must be ordered (one stream).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._util import ArrivalCounters, check_float, check_same_dtype, interpreting, next_pow2
+from ._util import ArrivalCounters, check_float, check_same_dtype, interpreting, next_pow2, sm_count
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 from .swiglu import silu_and_mul, silu_mul
@@ -383,7 +382,7 @@ def skinny_linear(
         return out
     if k == 0:
         return out.zero_()
-    cfg = config or skinny_config(n, k, m, _num_sms(x.device))
+    cfg = config or skinny_config(n, k, m, sm_count(x.device))
     if row_gate is not None and cfg["SPLIT_K"] > 1 and not cfg["FUSED_REDUCE"]:
         raise ValueError("row_gate needs SPLIT_K 1 or FUSED_REDUCE (a second pass would not see the gate)")
     _launch(x, w, out, cfg, k if silu_mul else 0, row_gate)
@@ -421,10 +420,3 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
 
 # Per device: the arrival counters (all zero between launches).
 _COUNTERS = ArrivalCounters("skinny_linear", _MIN_COUNTERS)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count

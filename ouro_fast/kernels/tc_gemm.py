@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from ._util import sm_count
 from .pdl import EARLY as PDL_EARLY
 from .pdl import pdl_enabled
 
@@ -343,11 +344,6 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bool = False,
               stamps: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (M <= 16); with silu_mul, x is [M, 2K] (gate then up).
@@ -361,7 +357,7 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     ntok = 8 if m <= 8 else 16
     kt = k // tc
     tiles = (n // TR) * kt
-    ctas, budget = launch_plan(n, k, tc, _sms(x.device.index or 0), per_sm, partial)
+    ctas, budget = launch_plan(n, k, tc, sm_count(x.device), per_sm, partial)
     slots = slots_for(n, k, tc, ctas) if partial else 0
     if partial:
         out = torch.empty(slots, m, n, device=x.device, dtype=torch.float32)
