@@ -3,8 +3,10 @@
 Builds the ouro-1.4b preset in memory (random bf16 weights; no checkpoint to write), a
 paged KV cache with every row at context ~`--context`, and times one loop over all
 layers captured in a CUDA graph (CUDA events over `--replays` replays) at each row
-count. Environment switches (OURO_FAST_PDL, OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT,
-OURO_FAST_FUSED_DECODE) are read at import: run one process per setting, e.g.
+count. `--attn-config SPLITS:BLOCK_N ...` times the loop again with the decode attention's split count and
+tile width forced (decode_config patched, in this process only). Environment switches (OURO_FAST_PDL,
+OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE, OURO_FAST_EARLY_KV) are read at import:
+run one process per setting, e.g.
 
     for v in "" skinny norm; do OURO_FAST_PDL_PLAIN=$v python3 bench/gpu/step_bench.py --tag "$v"; done
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ouro_fast.kernels import decode_attention
 from ouro_fast.model.checkpoints import PRESETS
 from ouro_fast.model.fast_loop import run_loop_fused
 from ouro_fast.model.ouro import OuroForCausalLM
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N settings to time too")
     args = ap.parse_args()
     model = build(args.preset)
     cfg, page, max_blocks = model.config, 16, 64
@@ -63,16 +67,28 @@ def main() -> None:
                   layer.mlp.down_proj.weight)
     )  # fmt: skip
     out = {"tag": args.tag, "context": args.context, "floor_ms_4.8TBs": round(weights / 4.8e9, 4)}
-    for rows in args.rows:
-        shape = (2, cfg.num_hidden_layers, rows * max_blocks * page, cfg.num_key_value_heads, cfg.head_dim)
-        cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
-        attn = TritonPagedAttention(cache, page, cfg.rope_theta, max_blocks * page)
-        attn.batch = decode_batch(rows, args.context, page, max_blocks)
-        h = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
-        with torch.inference_mode():
-            step = lambda h=h, attn=attn: run_loop_fused(model, h, attn)  # noqa: E731
-            out[f"rows_{rows}_ms"] = round(replay_ms(capture(step), args.replays, warmup=1), 4)
+    default = decode_attention.decode_config
+    for setting in [""] + args.attn_config:
+        decode_attention.decode_config = default if not setting else _forced(default, setting)
+        suffix = f"_attn_{setting.replace(':', 'x')}" if setting else ""
+        for rows in args.rows:
+            slots = rows * max_blocks * page
+            shape = (2, cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim)
+            cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
+            attn = TritonPagedAttention(cache, page, cfg.rope_theta, max_blocks * page)
+            attn.batch = decode_batch(rows, args.context, page, max_blocks)
+            h = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+            with torch.inference_mode():
+                step = lambda h=h, attn=attn: run_loop_fused(model, h, attn)  # noqa: E731
+                out[f"rows_{rows}{suffix}_ms"] = round(replay_ms(capture(step), args.replays, warmup=1), 4)
+            del cache, attn
+    decode_attention.decode_config = default
     print(json.dumps(out), flush=True)
+
+
+def _forced(default, setting: str):
+    splits, block_n = (int(v) for v in setting.split(":"))
+    return lambda *shape: {**default(*shape), "NUM_SPLITS": splits, "BLOCK_N": block_n}
 
 
 if __name__ == "__main__":

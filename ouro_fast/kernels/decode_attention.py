@@ -33,49 +33,75 @@ def slice_bounds(q_pos, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs, stride_vh,
+                 HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CACHE: tl.constexpr):  # fmt: skip
+    """Keys and values [BLOCK_N, D_P2] (cache dtype) of positions [n0, n0 + BLOCK_N) below end (zeros beyond),
+    through the row's block table; CACHE is the loads' cache modifier ("" or ".cg")."""
+    offs_d = tl.arange(0, D_P2)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < end
+    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_valid, other=0, cache_modifier=CACHE)
+    slot = block.to(tl.int64) * PAGE + offs_n % PAGE
+    kv_mask = n_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k_ptrs = k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+    v_ptrs = v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0, cache_modifier=CACHE)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0, cache_modifier=CACHE)
+    return k, v
+
+
+@triton.jit
+def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new, BLOCK_N: tl.constexpr,
+                SUBSTITUTE: tl.constexpr):  # fmt: skip
+    """One online-softmax update of (m_i, l_i, acc) by the tile of positions [n0, n0 + BLOCK_N) below end.
+    A tile wholly at or beyond end changes nothing (its scores are -inf: alpha 1, p 0)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < end
+    if SUBSTITUTE:  # noqa: SIM102 (without it, new_pos is None: the inner test must not be built)
+        # A uniform branch: only the one tile that holds new_pos pays for the selects.
+        if (new_pos >= n0) & (new_pos < n0 + BLOCK_N):
+            is_new = (offs_n == new_pos)[:, None]
+            k = tl.where(is_new, k_new, k)
+            v = tl.where(is_new, v_new, v)
+    # The query sees every key up to its own position: only the slice end masks.
+    s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale_log2
+    s = tl.where(n_valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, stride_ks, stride_kh,
                  stride_vs, stride_vh, new_pos, k_new, v_new, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SUBSTITUTE: tl.constexpr):  # fmt: skip
+                 SUBSTITUTE: tl.constexpr, k0=None, v0=None):  # fmt: skip
     """Online softmax of q [GROUP_P2, D_P2] (fp32) over positions [start, end); returns (m, l, acc).
 
     With SUBSTITUTE, the key and value at position new_pos are k_new, v_new [1, D_P2] (cache
     dtype) instead of the cache's: the fused decode writes that slot in the same launch.
+    k0, v0: the first tile (positions [start, start + BLOCK_N)) already loaded by load_kv_tile, e.g. before
+    a PDL wait; the same updates in the same order as loading it here.
     """
-    offs_d = tl.arange(0, D_P2)
-    d_valid = offs_d < HEAD_DIM
     # Finite stand-in for -inf: an empty slice keeps it, and the merge weighs it exp2(-1e30 - m) = 0.
     m_i = tl.full([GROUP_P2], -1.0e30, tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, D_P2], tl.float32)
+    first = start
+    if k0 is not None:
+        m_i, l_i, acc = attend_tile(q, k0, v0, start, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
+                                    BLOCK_N, SUBSTITUTE)  # fmt: skip
+        first = start + BLOCK_N
     # An empty slice (start >= kv_len) runs no iteration and leaves m = -1e30, l = 0.
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < end
-        block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_valid, other=0)
-        slot = block.to(tl.int64) * PAGE + offs_n % PAGE
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(
-            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        if SUBSTITUTE:  # noqa: SIM102 (without it, new_pos is None: the inner test must not be built)
-            # A uniform branch: only the one tile that holds new_pos pays for the selects.
-            if (new_pos >= n0) & (new_pos < n0 + BLOCK_N):
-                is_new = (offs_n == new_pos)[:, None]
-                k = tl.where(is_new, k_new, k)
-                v = tl.where(is_new, v_new, v)
-        # The query sees every key up to its own position: only the slice end masks.
-        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale_log2
-        s = tl.where(n_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m_i = m_new
+    for n0 in range(first, end, BLOCK_N):
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs,
+                            stride_vh, HEAD_DIM, D_P2, PAGE, BLOCK_N, "")  # fmt: skip
+        m_i, l_i, acc = attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
+                                    BLOCK_N, SUBSTITUTE)  # fmt: skip
     return m_i, l_i, acc
 
 
