@@ -57,6 +57,21 @@ def test_draws_depend_on_the_seed_alone():
     assert run(logits[3:4], 1.0, seeds[3:4]).item() == a[3].item()
 
 
+def test_row_gate_samples_only_the_gated_rows_with_the_same_draws():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=g).to(DEV)
+    t = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.7, 1.0], device=DEV)
+    s = (torch.arange(6) + 11).to(DEV)
+    gate = torch.tensor([1, 0, 1, 0, 1, 1], dtype=torch.int32, device=DEV)
+    full = sample_gumbel(logits, t, s, GREEDY_EPS, 280).cpu()
+    got = sample_gumbel(logits, t, s, GREEDY_EPS, 280, row_gate=gate).cpu()
+    on = gate.cpu().bool()
+    assert torch.equal(got[on], full[on])  # a gated row's draw is its ungated draw
+    assert got[~on].tolist() == [-1, -1]
+    with pytest.raises(ValueError, match="row_gate"):
+        sample_gumbel(logits, t, s, GREEDY_EPS, 280, row_gate=gate.long())
+
+
 def test_rejects_bad_inputs():
     logits = torch.zeros(2, 10, device=DEV)
     t, s = torch.ones(2, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV)

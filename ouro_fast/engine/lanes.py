@@ -190,7 +190,7 @@ class DecodeLanes:
         exits = r.exits[: rows + k].to(torch.int32)
         logits = self._lm_head(r.x_last[: rows + k], exits)
         vocab = min(r.sampler.vocab_limit, logits.shape[1])
-        ids = sample_gumbel(logits, temp, seeds, GREEDY_EPS, vocab)
+        ids = sample_gumbel(logits, temp, seeds, GREEDY_EPS, vocab, row_gate=exits)
         src, dst = self.prop_src[: (self.num_loops - 1) * rows], self.prop_dst[: (self.num_loops - 1) * rows]
         lane_epilogue(self, run, slot, r.ls_prev[:rows], exits, ids, r.h_prev[:rows], rows, self.block_size,
                       src, dst)  # fmt: skip
@@ -279,10 +279,10 @@ class DecodeLanes:
         log_surv = carried + F.logsigmoid(-self.model.gate_logits(x))
         exits = lane_exits(self, run, log_surv, rows)
         logits = self._lm_head(x, exits)
-        # Every lane samples (only exiting lanes' ids are used): greedy or Gumbel-max, Philox keyed by
+        # Exiting lanes sample (the others get id -1, never read): greedy or Gumbel-max, Philox keyed by
         # (engine seed, launch, lane), so a launch's draws never depend on the host.
         vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
-        ids = sample_gumbel(logits, self.temp[:rows], seeds, GREEDY_EPS, vocab)
+        ids = sample_gumbel(logits, self.temp[:rows], seeds, GREEDY_EPS, vocab, row_gate=exits)
         src, dst = self.prop_src[: (self.num_loops - 1) * rows], self.prop_dst[: (self.num_loops - 1) * rows]
         lane_epilogue(self, run, slot, log_surv, exits, ids, x, rows, bs, src, dst)
         # Last-exited propagation: the exit plane's K/V into every deeper plane, in this launch.

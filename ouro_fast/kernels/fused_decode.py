@@ -13,13 +13,16 @@ operation for operation, so results and the cache are bit-identical to it (teste
 under the interpreter and on the H200).
 
 PDL: the kernel waits and releases its successor as every decode kernel does; it is
-launched with the PDL attribute only while rows x KV heads fit the SMs (pdl_launch_ok).
+launched with the PDL attribute only while rows x KV heads fit twice the SMs (pdl_launch_ok).
+Launched so, it loads the metadata and each slice's first key/value tile before its wait
+(early_kv), so those reads overlap the qkv matmul: only q, k and v need the wait.
 Launched early behind the Triton skinny qkv matmul, its CTAs went to the SMs the matmul
 freed first (measured on the H200: 256 CTAs on 30 SMs, up to 14 each), which made a
 layer up to twice as slow at one row; launched plainly it starts on an idle GPU. Behind
 the tensor-core qkv (one CTA an SM, room beside it) an early launch measured faster at
 1 row and the same at 8 (loop 0.982 / 1.118 ms against 1.015 / 1.124), slower at 16
-(1.304 against 1.283; seventeenth session). Measured per layer in a CUDA graph (qkv, attention, o_proj;
+(1.304 against 1.283; seventeenth session); with the early loads, faster at 16 too (1.272
+against 1.306 plain, eighteenth session). Measured per layer in a CUDA graph (qkv, attention, o_proj;
 bf16, 16 heads of 128, 1-16 rows, contexts 192-4096) it then saves -0.9 to +3.3 us
 against the three launches, whose latencies PDL already overlaps; the sure gain is
 one graph node and one host launch in place of three.
@@ -361,12 +364,14 @@ def _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n: int, hkv:
 
 def pdl_launch_ok(device: torch.device, row_heads: int) -> bool:
     """Launch with the PDL attribute: PDL on, the tensor-core matmuls on, and rows x KV heads at most the
-    SMs (OURO_FAST_FUSED_DECODE_PDL=0/1 overrides, for A/B runs)."""
+    SMs, or twice the SMs with the early loads (OURO_FAST_FUSED_DECODE_PDL=0/1 overrides, for A/B runs)."""
     if not pdl_enabled(device):
         return False
     if _PDL_LAUNCH in ("0", "1"):
         return _PDL_LAUNCH == "1"
-    return tc_gemm.ENABLED and row_heads <= sm_count(device)
+    # With the early loads it pays at 16 rows of 16 KV heads too (1.272 against 1.306 ms plain; without them
+    # a PDL launch there was slower, 1.304 against 1.283): so up to twice the SMs then.
+    return tc_gemm.ENABLED and row_heads <= sm_count(device) * (2 if EARLY_KV else 1)
 
 
 def early_kv(device: torch.device, row_heads: int) -> bool:

@@ -18,8 +18,14 @@ from ._util import check_float, next_pow2
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, out_ptr, V, stride, greedy_eps, BLOCK: tl.constexpr):
+def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, gate_ptr, out_ptr, V, stride, greedy_eps,
+                   BLOCK: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    if GATED:  # noqa: SIM102 (a constexpr test: without it, the gate load must not be built)
+        # A row nobody samples (a lane that does not exit) skips the vocabulary scan.
+        if tl.load(gate_ptr + row) == 0:
+            tl.store(out_ptr + row, -1)
+            return
     temp = tl.load(temp_ptr + row)
     seed = tl.load(seed_ptr + row)
     greedy = temp < greedy_eps
@@ -45,12 +51,18 @@ def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, out_ptr, V, stride, greedy_ep
 
 
 def sample_gumbel(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, greedy_eps: float, vocab: int
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    greedy_eps: float,
+    vocab: int,
+    row_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int64 ids [R]: per row, the argmax (temperature < greedy_eps) or a softmax(logits / t) draw.
 
     logits [R, >= vocab] (only the first `vocab` columns count); temperature float32 [R] and
     seeds int64 [R] on logits' device. Deterministic: the same inputs give the same ids.
+    row_gate (int32 [R] on the device): rows where it is 0 are not sampled and get id -1.
     """
     check_float("logits", logits)
     r = logits.shape[0]
@@ -62,11 +74,15 @@ def sample_gumbel(
         )
     if seeds.shape != (r,) or seeds.dtype != torch.int64:
         raise ValueError(f"seeds must be int64 [{r}], got {seeds.dtype} {tuple(seeds.shape)}")
+    if row_gate is not None and (row_gate.shape != (r,) or row_gate.dtype != torch.int32):
+        raise ValueError(f"row_gate must be int32 [{r}], got {row_gate.dtype} {tuple(row_gate.shape)}")
     out = torch.empty(r, dtype=torch.int64, device=logits.device)
     if r:
         block = min(4096, next_pow2(vocab))
         warps = 8 if block >= 2048 else 4
+        gate = row_gate if row_gate is not None else seeds  # a placeholder pointer when not GATED
         _sample_kernel[(r,)](
-            logits, temperature, seeds, out, vocab, logits.stride(0), greedy_eps, BLOCK=block, num_warps=warps
-        )
+            logits, temperature, seeds, gate, out, vocab, logits.stride(0), greedy_eps, BLOCK=block,
+            GATED=row_gate is not None, num_warps=warps,
+        )  # fmt: skip
     return out
