@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..kernels import propagate_kv
+from ..kernels.exit_gate import gate_log_survival
 from ..model.exit_rule import exit_mask
 from ..model.fast_loop import run_loop_fused
 from ..model.ouro import OuroForCausalLM
@@ -251,9 +251,8 @@ class GpuModelRunner:
         x = run_loop_fused(self.model, h, self.attn)
         last, prev = a["last"][:rows], a["prev_last"][:rows]
         xl = x[last]
-        gate = self.model.gate_logits(xl)
-        carried = torch.where(prev >= 0, self.ls_prev[prev.clamp(min=0)], torch.zeros_like(gate))
-        log_surv = carried + F.logsigmoid(-gate)
+        gate = self.model.model.early_exit_gate
+        log_surv = gate_log_survival(x, last, prev, self.ls_prev, gate.weight, gate.bias)
         log1mq = b["log1mq"][:rows].view(torch.float32)
         self.exits[:rows] = exit_mask(
             b["loop"][:rows], log_surv, log1mq, b["lo"][:rows] + 1, b["hi"][:rows] + 1

@@ -24,7 +24,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels import propagate_kv
 from ..kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear
@@ -274,10 +273,8 @@ class DecodeLanes:
         h, tables, slot, q_start, run, seeds = lane_prologue(self, kill, embed, rows, bs)
         self.attn.batch = TritonBatch(slot, self.pos[:rows], tables, q_start, run, self.tok_off[:rows], 1)
         x = run_loop_fused(self.model, h, self.attn)
-        # The same log-survival ops as the host-driven step, so exits match it bit for bit.
-        carried = torch.where(self.loop[:rows] == 0, 0.0, self.ls[:rows])
-        log_surv = carried + F.logsigmoid(-self.model.gate_logits(x))
-        exits = lane_exits(self, run, log_surv, rows)
+        # The host-driven step's log-survival kernel code, so exits match it bit for bit.
+        log_surv, exits = lane_exits(self, run, x, self.model.model.early_exit_gate, rows)
         logits = self._lm_head(x, exits)
         # Exiting lanes sample (the others get id -1, never read): greedy or Gumbel-max, Philox keyed by
         # (engine seed, launch, lane), so a launch's draws never depend on the host.

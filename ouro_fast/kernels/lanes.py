@@ -2,9 +2,9 @@
 
 lane_prologue: per lane, whether it runs (active and not killed), its K/V slot at its
 loop, its block table for that loop, its hidden input (the token's embedding at loop
-0, else the carried state) and its Philox seed. lane_exits: per lane, the exit
-decision (the rule of model/exit_rule.exit_mask, on the log-survival computed by the
-caller), before the lm_head so that a launch where no lane exits can skip it.
+0, else the carried state) and its Philox seed. lane_exits: per lane, the gate's
+log-survival (kernels/exit_gate.py) and the exit decision (the rule of
+model/exit_rule.exit_mask), before the lm_head so that a launch where no lane exits can skip it.
 lane_epilogue: per lane, the propagation pairs of an exit, the launch record, the stop
 check and the next state. One program per lane each; about a hundred tiny PyTorch
 launches otherwise, which cost more GPU time than the loop's attention.
@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import next_pow2
+from ._util import interpreting, next_pow2
+from .exit_gate import log_survival
 
 
 @triton.jit
@@ -64,13 +65,20 @@ def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr
 
 
 @triton.jit
-def _exits_kernel(run_ptr, loop_ptr, log_surv_ptr, lo_ptr, hi_ptr, log1mq_ptr, exits_ptr):
+def _exits_kernel(run_ptr, loop_ptr, ls_ptr, x_ptr, stride_x, w_ptr, b_ptr, lo_ptr, hi_ptr, log1mq_ptr,
+                  exits_ptr, log_surv_ptr, HIDDEN, BLOCK_H: tl.constexpr,
+                  INTERPRETED: tl.constexpr):  # fmt: skip
     r = tl.program_id(0)
     run = tl.load(run_ptr + r) != 0
-    log_surv = tl.load(log_surv_ptr + r)
+    loop = tl.load(loop_ptr + r)
+    # The gate on this loop's output; loop 0 starts from survival 1, later loops carry the lane's value.
+    carried = tl.where(loop == 0, 0.0, tl.load(ls_ptr + r))
+    log_surv = log_survival(x_ptr + r.to(tl.int64) * stride_x, w_ptr, b_ptr, carried, HIDDEN, BLOCK_H,
+                            INTERPRETED)  # fmt: skip
+    tl.store(log_surv_ptr + r, log_surv)
     log1mq = tl.load(log1mq_ptr + r)
     # exit_mask, on 1-based loop counts: forced at max_loops, else once survival drops to 1 - q.
-    done = tl.load(loop_ptr + r) + 1
+    done = loop + 1
     reached = (log1mq > float("-inf")) & (log_surv <= log1mq)
     exits = run & ((done >= tl.load(hi_ptr + r) + 1) | ((done >= tl.load(lo_ptr + r) + 1) & reached))
     tl.store(exits_ptr + r, exits.to(tl.int32))
@@ -141,11 +149,19 @@ def lane_prologue(lanes, kill: torch.Tensor, embed: torch.Tensor, rows: int, blo
     return h_in, bt, slot, q_start, run, seeds
 
 
-def lane_exits(lanes, run, log_surv, rows: int) -> torch.Tensor:
-    """int32 [rows]: 1 where lane r's token exits at this launch's loop (0 for lanes that do not run)."""
+def lane_exits(lanes, run, x, gate, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_surv float32 [rows], exits int32 [rows]) of lanes [0, rows) after this launch's loop: the
+    gate Linear `gate` on x [rows, hidden] (kernels/exit_gate.log_survival, the host-driven step's
+    bits), and 1 where the lane's token exits (0 for lanes that do not run)."""
     exits = torch.empty(rows, dtype=torch.int32, device=run.device)
-    _exits_kernel[(rows,)](run, lanes.loop, log_surv, lanes.lo, lanes.hi, lanes.log1mq, exits)
-    return exits
+    log_surv = torch.empty(rows, dtype=torch.float32, device=run.device)
+    hidden = x.shape[1]
+    _exits_kernel[(rows,)](
+        run, lanes.loop, lanes.ls, x, x.stride(0), gate.weight, gate.bias, lanes.lo, lanes.hi, lanes.log1mq,
+        exits, log_surv, hidden, BLOCK_H=min(2048, next_pow2(hidden)), INTERPRETED=interpreting(),
+        num_warps=4,
+    )  # fmt: skip
+    return log_surv, exits
 
 
 def lane_epilogue(lanes, run, slot, log_surv, exits, ids, x, rows: int, block_size: int, src, dst) -> None:
