@@ -258,6 +258,11 @@ def graph_step_times(eng: Engine, replays: int = 200) -> list[dict]:
             lanes.tables.zero_()  # every plane in block 0: nothing else runs now
             lanes.pos[:n], lanes.loop[:n], lanes.lo[:n], lanes.hi[:n] = 0, 0, 0, 3
             lanes.cap[:n] = 1 << 30
+            # Full depth, nothing killed, no stop ids: the last run's leftovers (an early-exit threshold, a
+            # kill mask staged for its last launch) would change what the timed launches do.
+            lanes.log1mq[:n] = float("-inf")
+            lanes.stop_ids[:n] = -1
+            lanes.inputs.dev["kill"].zero_()
             lanes.active[:n] = 1
             timed.append(("lanes", lanes.graphs[n]))
         for kind, g in timed:
