@@ -212,6 +212,7 @@ def _fused_decode_kernel(
     start, end = slice_bounds(q_pos, split, NUM_SPLITS, BLOCK_N)
     cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, D_P2, PRE)
     bt_row = bt_ptr + row * stride_bt
+    k0, v0 = None, None  # without EARLY_KV, attend_slice loads the first tile itself
     if EARLY_KV:
         k0, v0 = load_kv_tile(kc_ptr, vc_ptr, bt_row, kv_head, start, end, stride_kcs, stride_kch, stride_vcs,
                               stride_vch, HEAD_DIM, D_P2, PAGE, BLOCK_N, PRE)  # fmt: skip
@@ -231,14 +232,9 @@ def _fused_decode_kernel(
     v_new = _value(v_ptrs, offs_d < HEAD_DIM, stride_p, PARTS, DTYPE, INTERPRETED).to(DTYPE)
     # slot < 0 writes nothing: the key and value at q_pos are the cache's, as in the three launches.
     new_pos = tl.where(slot >= 0, q_pos, -1)
-    if EARLY_KV:
-        m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
-                                     stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
-                                     HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0)  # fmt: skip
-    else:
-        m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
-                                     stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
-                                     HEAD_DIM, D_P2, PAGE, BLOCK_N, True)  # fmt: skip
+    m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
+                                 stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
+                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0)  # fmt: skip
     # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
     # the last split, after its loop, so that under the interpreter (programs run in grid order)
     # every read of the launch precedes the write and the tests prove that none depends on it.

@@ -80,7 +80,7 @@ def sample_gumbel(
     if r:
         block = min(4096, next_pow2(vocab))
         warps = 8 if block >= 2048 else 4
-        gate = row_gate if row_gate is not None else seeds  # a placeholder pointer when not GATED
+        gate = row_gate if row_gate is not None else seeds  # any tensor: read only when GATED
         _sample_kernel[(r,)](
             logits, temperature, seeds, gate, out, vocab, logits.stride(0), greedy_eps, BLOCK=block,
             GATED=row_gate is not None, num_warps=warps,
