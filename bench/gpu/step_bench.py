@@ -3,10 +3,12 @@
 Builds the ouro-1.4b preset in memory (random bf16 weights; no checkpoint to write), a
 paged KV cache with every row at context ~`--context`, and times one loop over all
 layers captured in a CUDA graph (CUDA events over `--replays` replays) at each row
-count. `--attn-config SPLITS:BLOCK_N ...` times the loop again with the decode attention's split count and
-tile width forced (decode_config patched, in this process only). Environment switches (OURO_FAST_PDL,
-OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE, OURO_FAST_EARLY_KV) are read at import:
-run one process per setting, e.g.
+count. `--prefill-tokens T ...` times a loop over a step that carries a prompt instead: `--prefill-lanes`
+decode rows and one `--prompt`-token prompt, padded to T tokens and 64 rows as the runner pads a riders'
+step (engine/riders.py), and the loop's cuBLAS matmuls alone at T rows. `--attn-config SPLITS:BLOCK_N ...`
+times the loop again with the decode attention's split count and tile width forced (decode_config patched,
+in this process only). Environment switches (OURO_FAST_PDL, OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT,
+OURO_FAST_FUSED_DECODE, OURO_FAST_EARLY_KV) are read at import: run one process per setting, e.g.
 
     for v in "" skinny norm; do OURO_FAST_PDL_PLAIN=$v python3 bench/gpu/step_bench.py --tag "$v"; done
 """
@@ -49,6 +51,40 @@ def decode_batch(rows: int, context: int, page: int, max_blocks: int) -> TritonB
     return TritonBatch(slots, pos, tables, pos.to(torch.int32), torch.ones_like(idx), idx, 1)
 
 
+def prefill_batch(
+    lanes: int, prompt: int, tokens: int, rows: int, context: int, page: int, max_blocks: int
+) -> TritonBatch:
+    """Rows [0, lanes) decode one token each at ~context (decode_batch's layout); row `lanes` runs a
+    prompt of `prompt` tokens from position 0 in its own blocks; tokens and rows padded as the runner
+    pads them (slot -1, length 0)."""
+    d = decode_batch(lanes, context, page, max_blocks)
+    i32, i64 = dict(dtype=torch.int32, device="cuda"), dict(dtype=torch.int64, device="cuda")
+    tables = torch.full((rows, max_blocks), -1, **i32)
+    tables[:lanes] = d.block_tables
+    tables[lanes] = torch.arange(max_blocks, **i32) + lanes * max_blocks
+    p = torch.arange(prompt, **i64)
+    slot, pos = torch.full((tokens,), -1, **i64), torch.zeros(tokens, **i64)
+    slot[:lanes], pos[:lanes] = d.slot_mapping, d.positions
+    slot[lanes : lanes + prompt] = tables[lanes, p // page].long() * page + p % page
+    pos[lanes : lanes + prompt] = p
+    q_start, length, tok_off = (torch.zeros(rows, **i32) for _ in range(3))
+    q_start[:lanes], length[:lanes], tok_off[:lanes] = d.row_q_start, 1, d.row_tok_off
+    length[lanes], tok_off[lanes] = prompt, lanes
+    return TritonBatch(slot, pos, tables, q_start, length, tok_off, tokens)
+
+
+def matmuls(model, x: torch.Tensor, xf: torch.Tensor) -> None:
+    """The loop's four matmuls a layer at x's row count, as the prefill path runs them (F.linear);
+    xf [rows, intermediate] stands in for down's input."""
+    f = torch.nn.functional.linear
+    for layer in model.model.layers:
+        sa, mlp = layer.self_attn, layer.mlp
+        f(x, sa.qkv_weight)
+        f(x, sa.o_proj.weight)
+        f(x, mlp.gate_up_weight)
+        f(xf, mlp.down_proj.weight)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
@@ -56,6 +92,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[], help="padded step tokens to time")
+    ap.add_argument("--prefill-lanes", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N settings to time too")
     args = ap.parse_args()
     model = build(args.preset)
@@ -83,7 +122,26 @@ def main() -> None:
                 out[f"rows_{rows}{suffix}_ms"] = round(replay_ms(capture(step), args.replays, warmup=1), 4)
             del cache, attn
     decode_attention.decode_config = default
+    for tokens in args.prefill_tokens:
+        out.update(prefill_ms(model, args, tokens, page, max_blocks))
     print(json.dumps(out), flush=True)
+
+
+def prefill_ms(model, args, tokens: int, page: int, max_blocks: int) -> dict:
+    """A captured loop over a riders'-style step padded to `tokens`, and its matmuls alone."""
+    cfg, rows = model.config, max(64, args.prefill_lanes + 1)
+    slots = rows * max_blocks * page
+    shape = (2, cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim)
+    cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
+    attn = TritonPagedAttention(cache, page, cfg.rope_theta, max_blocks * page)
+    attn.batch = prefill_batch(args.prefill_lanes, args.prompt, tokens, rows, args.context, page, max_blocks)
+    h = torch.randn(tokens, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    xf = torch.randn(tokens, cfg.intermediate_size, device="cuda").to(torch.bfloat16)
+    tag = f"prefill_{args.prefill_lanes}+{args.prompt}_at_{tokens}"
+    with torch.inference_mode():
+        loop = replay_ms(capture(lambda: run_loop_fused(model, h, attn)), args.replays // 4, warmup=1)
+        mm = replay_ms(capture(lambda: matmuls(model, h, xf)), args.replays // 4, warmup=1)
+    return {f"{tag}_ms": round(loop, 4), f"{tag}_matmuls_ms": round(mm, 4)}
 
 
 def _forced(default, setting: str):
