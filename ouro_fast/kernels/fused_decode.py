@@ -326,7 +326,7 @@ def fused_decode_attention(
         cos_sin.stride(0), block_tables.stride(0), stride_p,
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
         D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
-        USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv(q.device, r * hkv),
+        USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv(q.device, r * hkv), **_MAXNREG,
     )  # fmt: skip
     return out
 
@@ -377,6 +377,9 @@ def early_kv(device: torch.device, row_heads: int) -> bool:
 
 
 _PDL_LAUNCH = os.environ.get("OURO_FAST_FUSED_DECODE_PDL", "")
+# Registers a thread may take (A/B runs; unset: the compiler's choice).
+_REGS = os.environ.get("OURO_FAST_ATTN_MAXNREG", "")
+_MAXNREG = {"maxnreg": int(_REGS)} if _REGS else {}
 
 # Measured on the H200 (eighteenth session): a loop takes 0.912 / 1.070 ms at 1 / 8 rows with the early loads
 # against 0.975 / 1.134 without; at 16 rows, a plain launch, they were slower (1.336 against 1.306).

@@ -69,6 +69,8 @@ PREFETCH = int(os.environ.get("OURO_FAST_TC_PREFETCH", "64"))
 # at 1 / 8 rows against 1.072 / 1.172; docs/benchmarks.md, seventeenth session). OURO_FAST_TC_WHOLE=0: off.
 WHOLE = os.environ.get("OURO_FAST_TC_WHOLE", "1") != "0"
 WHOLE_SMEM = 113 * 1024  # two CTAs a SM
+# Registers a thread of the consumer warpgroup may take (A/B runs).
+MAXNREG = int(os.environ.get("OURO_FAST_TC_MAXNREG", "128"))
 
 
 def owner(t: int, tiles: int, ctas: int) -> int:
@@ -372,6 +374,6 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     _tc_gemm_kernel[(ctas,)](
         w_desc, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, slots, k,
         NBUF=ring_slots(tc, ntok, silu_mul, nbuf, budget), SILU_MUL=silu_mul, PARTS=partial,
-        STAMP=stamps is not None, PRE=PREFETCH, num_warps=4, maxnreg=128, launch_pdl=True,
+        STAMP=stamps is not None, PRE=PREFETCH, num_warps=4, maxnreg=MAXNREG, launch_pdl=True,
     )  # fmt: skip
     return out
