@@ -69,8 +69,11 @@ PREFETCH = int(os.environ.get("OURO_FAST_TC_PREFETCH", "64"))
 # at 1 / 8 rows against 1.072 / 1.172; docs/benchmarks.md, seventeenth session). OURO_FAST_TC_WHOLE=0: off.
 WHOLE = os.environ.get("OURO_FAST_TC_WHOLE", "1") != "0"
 WHOLE_SMEM = 113 * 1024  # two CTAs a SM
-# Registers a thread of the consumer warpgroup may take (A/B runs).
-MAXNREG = int(os.environ.get("OURO_FAST_TC_MAXNREG", "128"))
+# Registers a thread may take, for 8- and 16-wide token tiles ("A:B", or one value for both). Fewer at 8
+# leave room on a SM for the attention's and norms' CTAs beside the matmul's: a loop at 4 / 8 rows took
+# 0.991 / 1.038 ms with 112 against 1.054 / 1.078 with 128 (H200, context 160; nineteenth session).
+_REGS = [int(v) for v in os.environ.get("OURO_FAST_TC_MAXNREG", "112:128").split(":")]
+MAXNREG = {8: _REGS[0], 16: _REGS[-1]}
 
 
 def owner(t: int, tiles: int, ctas: int) -> int:
@@ -374,6 +377,6 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     _tc_gemm_kernel[(ctas,)](
         w_desc, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, slots, k,
         NBUF=ring_slots(tc, ntok, silu_mul, nbuf, budget), SILU_MUL=silu_mul, PARTS=partial,
-        STAMP=stamps is not None, PRE=PREFETCH, num_warps=4, maxnreg=MAXNREG, launch_pdl=True,
+        STAMP=stamps is not None, PRE=PREFETCH, num_warps=4, maxnreg=MAXNREG[ntok], launch_pdl=True,
     )  # fmt: skip
     return out
