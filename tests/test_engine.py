@@ -2,7 +2,8 @@
 
 The tiny preset's gate is biased so that, at threshold 0.5, tokens exit at
 every depth: rows at different loops share steps, exits refill rows, and
-last-exited propagation matters for later tokens.
+last-exited propagation matters for later tokens. Every engine here is the CPU one (fp32, the
+torch runner), also on a GPU machine: the GPU engine has its own tests (test_gpu_runner.py).
 """
 
 import numpy as np
@@ -39,7 +40,7 @@ def greedy(q, n=20):
 
 @pytest.mark.parametrize("threshold", [1.0, 0.5, 0.2])
 def test_engine_matches_dense_reference(model_dir, threshold):
-    engine = Engine(EngineConfig(model=model_dir, keep_logits=True))
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", keep_logits=True))
     got = run(engine, PROMPTS, greedy(threshold))
     ref = DenseReference(dict(engine.model.state_dict()), engine.model_config, 128, engine.vocab_limit)
     depths = set()
@@ -69,8 +70,8 @@ def test_engine_matches_dense_reference(model_dir, threshold):
 )
 def test_batching_modes_give_identical_tokens(model_dir, options):
     params = greedy(0.5)
-    base = run(Engine(EngineConfig(model=model_dir)), PROMPTS, params)
-    engine = Engine(EngineConfig(model=model_dir, **options))
+    base = run(Engine(EngineConfig(model=model_dir, device="cpu")), PROMPTS, params)
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", **options))
     got = run(engine, PROMPTS, params)
     assert [r.output_ids for r in got] == [r.output_ids for r in base]
     assert [r.exit_loops for r in got] == [r.exit_loops for r in base]
@@ -81,13 +82,13 @@ def test_batching_modes_give_identical_tokens(model_dir, options):
 
 
 def test_refill_fills_rows_freed_by_exits(model_dir):
-    engine = Engine(EngineConfig(model=model_dir))
+    engine = Engine(EngineConfig(model=model_dir, device="cpu"))
     run(engine, PROMPTS, greedy(0.5))
     assert engine.stats.total_refills > 0
 
 
 def test_propagation_copies_exited_kv_into_deeper_planes(model_dir):
-    engine = Engine(EngineConfig(model=model_dir))
+    engine = Engine(EngineConfig(model=model_dir, device="cpu"))
     engine.add_request("a", [3, 4, 5, 6], greedy(0.5, n=40))
     for _ in range(60):
         engine.step()
@@ -117,8 +118,8 @@ def test_propagation_copies_exited_kv_into_deeper_planes(model_dir):
 @pytest.mark.parametrize("when", ["prefill", "decode"])
 def test_abort_frees_everything_and_spares_others(model_dir, when):
     params = greedy(0.5, n=12)
-    solo = run(Engine(EngineConfig(model=model_dir)), [PROMPTS[0]], params)[0]
-    engine = Engine(EngineConfig(model=model_dir, max_num_batched_tokens=8))
+    solo = run(Engine(EngineConfig(model=model_dir, device="cpu")), [PROMPTS[0]], params)[0]
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", max_num_batched_tokens=8))
     engine.add_request("keep", PROMPTS[0], params)
     engine.add_request("drop", list(range(1, 60)), params)
     steps = 2 if when == "prefill" else 40
@@ -137,7 +138,7 @@ def test_abort_frees_everything_and_spares_others(model_dir, when):
 
 
 def test_abort_of_waiting_request(model_dir):
-    engine = Engine(EngineConfig(model=model_dir, max_num_seqs=1))
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=1))
     engine.add_request("a", PROMPTS[0], greedy(1.0, 4))
     engine.add_request("b", PROMPTS[1], greedy(1.0, 4))
     engine.step()
@@ -157,17 +158,22 @@ def test_seeded_sampling_is_reproducible_across_batches(model_dir):
         max_tokens=15, temperature=0.9, top_p=0.95, seed=1234, exit_threshold=0.5, ignore_eos=True
     )
     other = SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True)
-    alone = run(Engine(EngineConfig(model=model_dir)), [PROMPTS[2]], sp)[0].output_ids
+    alone = run(Engine(EngineConfig(model=model_dir, device="cpu")), [PROMPTS[2]], sp)[0].output_ids
     mixed = run(
-        Engine(EngineConfig(model=model_dir, seed=7)), PROMPTS, [other, other, sp, other, other, other]
+        Engine(EngineConfig(model=model_dir, device="cpu", seed=7)),
+        PROMPTS,
+        [other, other, sp, other, other, other],
     )
     assert mixed[2].output_ids == alone
     reseeded = SamplingParams(**{**sp.__dict__, "seed": 99})
-    assert run(Engine(EngineConfig(model=model_dir)), [PROMPTS[2]], reseeded)[0].output_ids != alone
+    assert (
+        run(Engine(EngineConfig(model=model_dir, device="cpu")), [PROMPTS[2]], reseeded)[0].output_ids
+        != alone
+    )
 
 
 def test_finish_reasons_and_stop_conditions(model_dir):
-    engine = Engine(EngineConfig(model=model_dir))
+    engine = Engine(EngineConfig(model=model_dir, device="cpu"))
     free = run(engine, [PROMPTS[2]], greedy(1.0, 12))[0]
     assert free.output_ids and len(free.output_ids) == 12
     # A stop token id: generation ends on it; its text is not emitted.
@@ -194,7 +200,7 @@ def test_finish_reasons_and_stop_conditions(model_dir):
 
 
 def test_streamed_text_equals_full_decode(model_dir):
-    engine = Engine(EngineConfig(model=model_dir))
+    engine = Engine(EngineConfig(model=model_dir, device="cpu"))
     sp = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True, skip_special_tokens=False)
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, sp)
@@ -209,7 +215,7 @@ def test_streamed_text_equals_full_decode(model_dir):
 
 
 def test_bad_requests_are_rejected_clearly(model_dir):
-    engine = Engine(EngineConfig(model=model_dir, max_model_len=64, num_kv_blocks=16))
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", max_model_len=64, num_kv_blocks=16))
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("a", [], SamplingParams())
     with pytest.raises(ValueError, match="token ids"):
@@ -235,13 +241,13 @@ def test_bad_requests_are_rejected_clearly(model_dir):
         engine.step()
     assert engine.bt.num_free_blocks == engine.bt.num_blocks
     # 16 blocks at 4 loops hold 64 tokens: a request fitting max_model_len but not the pool is refused.
-    small = Engine(EngineConfig(model=model_dir, num_kv_blocks=8))
+    small = Engine(EngineConfig(model=model_dir, device="cpu", num_kv_blocks=8))
     with pytest.raises(ValueError, match="KV pool"):
         small.add_request("g", list(range(30)), SamplingParams(max_tokens=10))
 
 
 def test_step_statistics(model_dir):
-    engine = Engine(EngineConfig(model=model_dir))
+    engine = Engine(EngineConfig(model=model_dir, device="cpu"))
     got = run(engine, PROMPTS, greedy(0.5, 10))
     st = engine.stats
     produced = sum(len(r.output_ids) for r in got)
@@ -253,7 +259,7 @@ def test_step_statistics(model_dir):
 
 
 def test_llm_facade(model_dir):
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, device="cpu")
     outs = llm.generate(
         ["Hello, world", [1, 2, 3]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     )

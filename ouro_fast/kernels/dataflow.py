@@ -348,7 +348,7 @@ def _attend(act_ptr, cnt_ptr, part_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, table
     tok = tl.where(n_q > 0, tl.load(tok_off_ptr + row).to(tl.int64), 0)
     slot = tl.load(slot_ptr + tok)
     start, end = slice_bounds(q_pos, split, S, BLOCK_N)
-    cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM)
+    cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, HEAD_DIM, "")
     kc = kc_ptr + tl.cast(layer, tl.int64) * stride_kl  # 64-bit: a full pool passes 2**31 by layer 2
     vc = vc_ptr + tl.cast(layer, tl.int64) * stride_kl
     if PKV and not INTERPRETED:
