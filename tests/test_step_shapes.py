@@ -5,6 +5,7 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
 from ouro_fast.engine.gpu_runner import (  # noqa: E402
+    MAX_GRAPHS,
     PREFILL_MIN_ROWS,
     decode_shapes,
     prefill_shapes,
@@ -24,20 +25,31 @@ def test_every_prefill_step_fits_a_start_up_shape(max_rows, max_tokens):
 
 
 def test_prefill_shapes_are_one_per_token_bucket_by_default():
-    # The server's defaults (64 rows, 512 tokens): seven prefill graphs, powers of two and midpoints.
-    assert [n for _, n, _ in prefill_shapes(64, 512)] == [64, 96, 128, 192, 256, 384, 512]
+    # The server's defaults (64 rows, 512 tokens): a prefill graph per power of two and, above 64, per
+    # 9/16, 5/8 and 3/4 of one.
+    assert [n for _, n, _ in prefill_shapes(64, 512)] == [
+        64, 72, 80, 96, 128, 144, 160, 192, 256, 288, 320, 384, 512
+    ]  # fmt: skip
     assert all(r == PREFILL_MIN_ROWS and q == n for r, n, q in prefill_shapes(64, 512))
     assert step_shape(1, 128, 128, 64, 512) == (PREFILL_MIN_ROWS, 128, 128)
-    # 64, 128, 256 rows by 64 (128, 256) .. 8192 tokens, and the midpoints 96 .. 6144.
-    assert len(prefill_shapes(256, 8192)) == (8 + 7 + 6) + (7 + 6 + 5)
+    # 64, 128, 256 rows by 64 (128, 256) .. 8192 tokens, and three fractions of 128 .. 8192 each.
+    assert len(prefill_shapes(256, 8192)) == (8 + 7 + 6) + 3 * (7 + 6 + 5)
+    assert len(decode_shapes(64, 512) + prefill_shapes(64, 512)) <= MAX_GRAPHS
 
 
-def test_a_step_with_a_prompt_pads_by_less_than_half():
-    # A 128-token prompt beside seven decode rows (concurrency 8) runs at 192 tokens, not 256.
-    assert step_shape(8, 135, 128, 64, 512) == (64, 192, 192)
+def test_a_step_with_a_prompt_pads_by_at_most_a_third():
+    # A 128-token prompt beside eight decode lanes (concurrency 8) runs at 144 tokens, not 192 or 256.
+    assert step_shape(9, 136, 128, 64, 512) == (64, 144, 144)
+    assert step_shape(8, 135, 128, 64, 512) == (64, 144, 144)
+    assert step_shape(3, 150, 128, 64, 512) == (64, 160, 160)
     for tokens in range(65, 513):
         _, n, _ = step_shape(2, tokens, 2, 64, 512)
-        assert tokens <= n and 2 * n < 3 * tokens, tokens
+        assert tokens <= n and 3 * n <= 4 * tokens, tokens
+    # The smallest bucket that holds the step: one bucket down would not.
+    buckets = sorted({n for _, n, _ in prefill_shapes(64, 512)})
+    for tokens in range(65, 513):
+        n = step_shape(2, tokens, 2, 64, 512)[1]
+        assert all(b < tokens for b in buckets if b < n), tokens
 
 
 @pytest.mark.parametrize("max_rows,max_tokens", [(64, 512), (48, 500), (64, 16), (5, 40)])

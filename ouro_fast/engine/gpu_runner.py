@@ -7,7 +7,7 @@ A step runs padded to a power-of-two shape (rows, tokens, longest row), padding
 rows and tokens doing nothing, so a few CUDA graphs cover every step (step_shape):
 decode steps by row count; steps that carry a prompt chunk by token count alone
 (at least PREFILL_MIN_ROWS rows, longest row = the token bucket; token buckets are powers
-of two and, above 64, their midpoints 3 * 2^k). All are captured
+of two and, above 64, 9/16, 5/8 and 3/4 of each). All are captured
 at start-up (up to MAX_GRAPHS; a shape beyond runs eagerly at the same padding), so
 no request waits for a capture. The hidden states and exit statistics carried
 between steps live in static buffers indexed by token.
@@ -37,6 +37,8 @@ MAX_GRAPHS = 48  # captured (rows, tokens, max_q_len) shapes; steps beyond run e
 # Rows of a step that carries a prompt chunk: padding rows cost an empty attention program and a
 # gate row each, and one row bucket keeps the prefill graphs to one per token bucket.
 PREFILL_MIN_ROWS = 64
+# Token buckets above 64 tokens, in sixteenths of the next power of two (16: the power itself).
+BUCKET_SIXTEENTHS = (9, 10, 12, 16)
 
 
 def step_shape(rows: int, tokens: int, max_len: int, max_rows: int, max_tokens: int) -> tuple[int, int, int]:
@@ -52,11 +54,21 @@ def step_shape(rows: int, tokens: int, max_len: int, max_rows: int, max_tokens: 
 
 
 def _token_bucket(n: int) -> int:
-    """Tokens a step with a prompt chunk is padded to: powers of two up to 64, then also the
-    midpoints 3 * 2^k (96, 192, 384, ...), so padding adds less than half. A prompt of 128
-    tokens with a few decode rows (concurrency 8) runs at 192 tokens, not 256."""
+    """Tokens a step with a prompt chunk is padded to: powers of two up to 64, then the smallest of
+    9/16, 5/8, 3/4 and 1 times the next power of two that holds n, so padding adds at most a third.
+    A 128-token prompt with eight decode lanes (concurrency 8) runs at 144 tokens, not 192 or 256: a
+    rider loop takes 1.725 ms there against 1.817 at 192 (H200; docs/benchmarks.md, nineteenth session)."""
     p = _pow2(n)
-    return p * 3 // 4 if p > 64 and n <= p * 3 // 4 else p
+    if p <= 64:
+        return p
+    return next(p * f // 16 for f in BUCKET_SIXTEENTHS if n <= p * f // 16)
+
+
+def _token_buckets(max_tokens: int) -> set[int]:
+    """Every value _token_bucket takes up to max_tokens, and max_tokens itself."""
+    pows = [1 << i for i in range(max_tokens.bit_length() + 1)]
+    subs = {p * f // 16 for p in pows if p > 64 for f in BUCKET_SIXTEENTHS}
+    return {b for b in set(pows) | subs if b < max_tokens} | {max_tokens}
 
 
 def decode_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
@@ -68,8 +80,7 @@ def decode_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
 def prefill_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
     """Every shape step_shape gives a step with a prompt chunk, fewest tokens first."""
     rows = _buckets(max_rows)
-    mids = {3 << i for i in range(5, max_tokens.bit_length())}  # 96, 192, ...: _token_bucket's midpoints
-    toks = {t for t in _buckets(max_tokens) | mids if 1 < t <= max_tokens}
+    toks = {t for t in _token_buckets(max_tokens) if t > 1}
     shapes = {step_shape(r, t, 2, max_rows, max_tokens) for r in rows for t in toks if r <= t}
     return sorted(shapes, key=lambda s: (s[1], s[0]))
 

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ._util import interpreting, next_pow2
 from .exit_gate import log_survival
+from .pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -43,6 +44,8 @@ def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr
                      h_out_ptr, bt_out_ptr, slot_out_ptr, qstart_out_ptr, run_out_ptr, seed_out_ptr,
                      MB, HIDDEN, seed_base, BS: tl.constexpr, T: tl.constexpr, BLOCK_MB: tl.constexpr,
                      BLOCK_H: tl.constexpr):  # fmt: skip
+    # A plain launch, done before the loop's PDL chain starts: the fused decode attention reads its
+    # block tables and slots before its wait (kernels/fused_decode.py, early_kv).
     r = tl.program_id(0)
     run, loop, pos, slot = _lane_head(r, active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tables_ptr,
                                       stride_ts, stride_tl, bt_out_ptr, MB, BS, T, BLOCK_MB)  # fmt: skip
@@ -67,7 +70,8 @@ def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr
 @triton.jit
 def _exits_kernel(run_ptr, loop_ptr, ls_ptr, x_ptr, stride_x, w_ptr, b_ptr, lo_ptr, hi_ptr, log1mq_ptr,
                   exits_ptr, log_surv_ptr, HIDDEN, BLOCK_H: tl.constexpr,
-                  INTERPRETED: tl.constexpr):  # fmt: skip
+                  INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    pdl_enter(USE_PDL)  # x is the loop's last norm's output
     r = tl.program_id(0)
     run = tl.load(run_ptr + r) != 0
     loop = tl.load(loop_ptr + r)
@@ -89,7 +93,8 @@ def _epilogue_kernel(run_ptr, slot_ptr, log_surv_ptr, exits_ptr, ids_ptr, x_ptr,
                      loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, cap_ptr, stop_ptr,
                      ls_ptr, active_ptr, h_lane_ptr, stride_hl, launches_ptr, tables_ptr, stride_ts,
                      stride_tl, record_ptr, src_ptr, dst_ptr, R, HIDDEN, BS: tl.constexpr, T: tl.constexpr,
-                     NUM_STOP: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+                     NUM_STOP: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    pdl_enter(USE_PDL)  # ids are the sampler's output
     r = tl.program_id(0)
     run = tl.load(run_ptr + r) != 0
     loop = tl.load(loop_ptr + r)
@@ -159,7 +164,7 @@ def lane_exits(lanes, run, x, gate, rows: int) -> tuple[torch.Tensor, torch.Tens
     _exits_kernel[(rows,)](
         run, lanes.loop, lanes.ls, x, x.stride(0), gate.weight, gate.bias, lanes.lo, lanes.hi, lanes.log1mq,
         exits, log_surv, hidden, BLOCK_H=min(2048, next_pow2(hidden)), INTERPRETED=interpreting(),
-        num_warps=4,
+        num_warps=4, **pdl_launch(run.device, "lanes"),
     )  # fmt: skip
     return log_surv, exits
 
@@ -174,6 +179,7 @@ def lane_epilogue(lanes, run, slot, log_surv, exits, ids, x, rows: int, block_si
         lanes.h.stride(0), lanes.launches, lanes.tables, lanes.tables.stride(0), lanes.tables.stride(1),
         lanes.record, src, dst, rows, hidden,
         BS=block_size, T=t, NUM_STOP=num_stop, BLOCK_H=min(1024, next_pow2(hidden)),
+        **pdl_launch(run.device, "lanes"),
     )  # fmt: skip
 
 

@@ -10,8 +10,8 @@ kernel in the step writes (weights) may come before pdl_enter.
 
 Enabled on CUDA devices of compute capability >= 9 (not under the interpreter);
 OURO_FAST_PDL=0 turns it off. OURO_FAST_PDL_PLAIN (comma-separated kernel names: skinny,
-norm, rope_kv, decode_attention) launches those kernels without the attribute, for A/B
-runs: they still wait and release their successor, but start only once their
+norm, rope_kv, decode_attention, lanes, sample, propagate) launches those kernels without
+the attribute, for A/B runs: they still wait and release their successor, but start only once their
 predecessor is done (a large grid launched early may crowd onto the SMs freed first).
 A kernel launched without PDL after one with PDL, or the reverse, is ordered as
 usual, so PDL and plain launches mix safely.

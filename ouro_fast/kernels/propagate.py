@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ._util import check_float, next_pow2
+from .pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -22,7 +23,9 @@ def _propagate_kernel(
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_COUNT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)  # the pairs (and the cache rows) come from earlier kernels
     # One program: one (src, dst) pair, one (K or V, layer) plane row.
     i = tl.program_id(0)
     # int64: a 1.4B cache's (K/V, layer) offsets pass 2**31 elements.
@@ -71,4 +74,5 @@ def propagate_kv(
         kv_cache, src, dst, src if count is None else count,
         layers, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         ROW=row, BLOCK=min(next_pow2(row), 4096), HAS_COUNT=count is not None, num_warps=4,
+        **pdl_launch(kv_cache.device, "propagate"),
     )  # fmt: skip

@@ -15,11 +15,13 @@ import triton
 import triton.language as tl
 
 from ._util import check_float, next_pow2
+from .pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
 def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, gate_ptr, out_ptr, V, stride, greedy_eps,
-                   BLOCK: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+                   BLOCK: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    pdl_enter(USE_PDL)  # the logits and the gate are earlier kernels' outputs
     row = tl.program_id(0).to(tl.int64)
     if GATED:  # noqa: SIM102 (a constexpr test: without it, the gate load must not be built)
         # A row nobody samples (a lane that does not exit) skips the vocabulary scan.
@@ -83,6 +85,6 @@ def sample_gumbel(
         gate = row_gate if row_gate is not None else seeds  # any tensor: read only when GATED
         _sample_kernel[(r,)](
             logits, temperature, seeds, gate, out, vocab, logits.stride(0), greedy_eps, BLOCK=block,
-            GATED=row_gate is not None, num_warps=warps,
+            GATED=row_gate is not None, num_warps=warps, **pdl_launch(logits.device, "sample"),
         )  # fmt: skip
     return out
