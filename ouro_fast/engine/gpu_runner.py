@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 import numpy as np
@@ -37,8 +38,13 @@ MAX_GRAPHS = 48  # captured (rows, tokens, max_q_len) shapes; steps beyond run e
 # Rows of a step that carries a prompt chunk: padding rows cost an empty attention program and a
 # gate row each, and one row bucket keeps the prefill graphs to one per token bucket.
 PREFILL_MIN_ROWS = 64
-# Token buckets above 64 tokens, in sixteenths of the next power of two (16: the power itself).
-BUCKET_SIXTEENTHS = (9, 10, 12, 16)
+# Token buckets above 64 tokens, in sixteenths of the next power of two, from OURO_FAST_TOKEN_BUCKETS
+# (A/B runs; "12:16" gives the midpoints and powers alone). The last must be 16: the power itself.
+BUCKET_SIXTEENTHS = tuple(
+    sorted(int(v) for v in os.environ.get("OURO_FAST_TOKEN_BUCKETS", "9:10:12:16").split(":"))
+)
+if not (BUCKET_SIXTEENTHS[-1] == 16 and BUCKET_SIXTEENTHS[0] > 8):
+    raise ValueError(f"OURO_FAST_TOKEN_BUCKETS: sixteenths in 9..16 ending with 16, got {BUCKET_SIXTEENTHS}")
 
 
 def step_shape(rows: int, tokens: int, max_len: int, max_rows: int, max_tokens: int) -> tuple[int, int, int]:
