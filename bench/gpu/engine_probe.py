@@ -139,7 +139,11 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
             if o.finished:
                 done += 1
                 if done == trace_after and prof is None:
-                    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    # PROBE_TRACE_CPU=0: the GPU's timeline alone (no host-side profiling overhead).
+                    acts = [ProfilerActivity.CUDA]
+                    if os.environ.get("PROBE_TRACE_CPU", "1") != "0":
+                        acts.append(ProfilerActivity.CPU)
+                    prof = profile(activities=acts)
                     prof.start()
                 if sent < prompts:
                     submit(sent)
