@@ -2,7 +2,7 @@
 # s20 call02: GPU timelines (torch profiler, CUDA activity only) of 60 engine calls in closed loops at
 # concurrency 1 and 8, full depth: what runs between two lane graphs.
 set -u
-cd "$(dirname "$0")/../../../.."
+cd "$(dirname "$0")/../../../../.."
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 git log --oneline -1 > "$O/commit.txt" 2>/dev/null
 timeout -s KILL 240 python3 -m pip install -q --no-build-isolation --no-deps . > "$O/build.log" 2>&1 || { echo build failed; exit 1; }

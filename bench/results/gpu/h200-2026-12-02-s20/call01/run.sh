@@ -2,7 +2,7 @@
 # s20 call01: build, GPU tests of the changed paths, engine-only A/B of the lanes' PDL launches and the
 # finer token buckets (each setting its own process, alternating).
 set -u
-cd "$(dirname "$0")/../../../.."
+cd "$(dirname "$0")/../../../../.."
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 git log --oneline -1 > "$O/commit.txt" 2>/dev/null
 timeout -s KILL 240 python3 -m pip install -q --no-build-isolation --no-deps . > "$O/build.log" 2>&1 || { echo build failed; tail -20 "$O/build.log"; exit 1; }

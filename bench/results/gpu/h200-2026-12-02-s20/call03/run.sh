@@ -3,7 +3,7 @@
 # method), a cProfile of the host in a closed loop at concurrency 1 (where rider launches leave the GPU
 # idle), and the GPU tests of run-ahead and the runner.
 set -u
-cd "$(dirname "$0")/../../../.."
+cd "$(dirname "$0")/../../../../.."
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 git log --oneline -1 > "$O/commit.txt" 2>/dev/null
 timeout -s KILL 240 python3 -m pip install -q --no-build-isolation --no-deps . > "$O/build.log" 2>&1 || { echo build failed; exit 1; }

@@ -2,7 +2,7 @@
 # s20 call04: the serving benchmark at this session's code, then an engine-only A/B of the run-ahead
 # depth (closed loops as vllm bench serve runs them: 1 and 8 streams, 128 in / 64 out, full depth).
 set -u
-cd "$(dirname "$0")/../../../.."
+cd "$(dirname "$0")/../../../../.."
 O=${OUT:?}
 COMMIT=${COMMIT:-} DEADLINE_S=330 bash bench/gpu/serve_gpu.sh > /dev/null 2>&1; echo "serve rc $?"
 cat "$O/summary.md" | head -30
