@@ -5,10 +5,11 @@ paged KV cache with every row at context ~`--context`, and times one loop over a
 layers captured in a CUDA graph (CUDA events over `--replays` replays) at each row
 count. `--prefill-tokens T ...` times a loop over a step that carries a prompt instead: `--prefill-lanes`
 decode rows and one `--prompt`-token prompt, padded to T tokens and 64 rows as the runner pads a riders'
-step (engine/riders.py), and the loop's cuBLAS matmuls alone at T rows. `--attn-config SPLITS:BLOCK_N ...`
-times the loop again with the decode attention's split count and tile width forced (decode_config patched,
-in this process only). Environment switches (OURO_FAST_PDL, OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT,
-OURO_FAST_FUSED_DECODE, OURO_FAST_EARLY_KV) are read at import: run one process per setting, e.g.
+step (engine/riders.py), and the loop's cuBLAS matmuls alone at T rows. `--attn-config SPLITS:BLOCK_N[:WARPS]
+...` times the loop again with the decode attention's split count, tile width (and warps) forced
+(decode_config patched, in this process only). Environment switches (OURO_FAST_PDL, OURO_FAST_PDL_PLAIN,
+OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE, OURO_FAST_EARLY_KV) are read at import: run one process per
+setting, e.g.
 
     for v in "" skinny norm; do OURO_FAST_PDL_PLAIN=$v python3 bench/gpu/step_bench.py --tag "$v"; done
 """
@@ -95,7 +96,7 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[], help="padded step tokens to time")
     ap.add_argument("--prefill-lanes", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N settings to time too")
+    ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N[:WARPS] settings to time")
     args = ap.parse_args()
     model = build(args.preset)
     cfg, page, max_blocks = model.config, 16, 64
@@ -145,8 +146,10 @@ def prefill_ms(model, args, tokens: int, page: int, max_blocks: int) -> dict:
 
 
 def _forced(default, setting: str):
-    splits, block_n = (int(v) for v in setting.split(":"))
-    return lambda *shape: {**default(*shape), "NUM_SPLITS": splits, "BLOCK_N": block_n}
+    # SPLITS:BLOCK_N[:WARPS]: a warp count forced too when given.
+    vals = [int(v) for v in setting.split(":")]
+    forced = dict(zip(("NUM_SPLITS", "BLOCK_N", "num_warps"), vals))
+    return lambda *shape: {**default(*shape), **forced}
 
 
 if __name__ == "__main__":
