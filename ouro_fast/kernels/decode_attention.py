@@ -52,36 +52,6 @@ def load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_k
 
 
 @triton.jit
-def prefetch_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs, stride_vh,
-                     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                     INTERPRETED: tl.constexpr):  # fmt: skip
-    """Asks L2 for the cache lines of load_kv_tile's keys and values: a hint that holds no registers (the
-    loads that follow read them from L2). LINES lines of LINE_ELEMS elements cover a head's row."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < end
-    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_valid, other=0, cache_modifier=".cg")
-    slot = block.to(tl.int64) * PAGE + offs_n % PAGE
-    line = tl.arange(0, LINES) * LINE_ELEMS
-    mask = n_valid[:, None] & (line >= 0)[None, :]
-    if not INTERPRETED:  # the interpreter has no PTX (and a hint changes no result)
-        _prefetch_l2(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + line[None, :], mask)
-        _prefetch_l2(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + line[None, :], mask)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    # prefetch.global.L2 under the mask; its dummy result keeps the side-effecting asm alive.
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptrs, mask.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new, BLOCK_N: tl.constexpr,
                 SUBSTITUTE: tl.constexpr):  # fmt: skip
     """One online-softmax update of (m_i, l_i, acc) by the tile of positions [n0, n0 + BLOCK_N) below end.

@@ -61,7 +61,6 @@ from .decode_attention import (
     load_kv_tile,
     merge_partials,
     partials_scratch,
-    prefetch_kv_tile,
     slice_bounds,
     store_normalised,
     store_partial,
@@ -190,8 +189,6 @@ def _fused_decode_kernel(
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_KV: tl.constexpr,
-    LINES: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
@@ -199,13 +196,12 @@ def _fused_decode_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Before the PDL wait (EARLY_KV 1 or 2): the step's metadata and this slice's first key/value tile
-    # (1: into registers; 2: asked of L2, holding no registers across the wait), off the critical path
-    # behind qkv. No kernel of the PDL chain writes them: the host's copies, the lanes' prologue (a plain
-    # launch, done before the chain's first kernel starts) and earlier launches did. .cg reads them from
-    # L2. Only q, k, v (qkv's output) need the wait.
-    PRE: tl.constexpr = ".cg" if EARLY_KV > 0 else ""
-    if EARLY_KV == 0:
+    # Before the PDL wait (EARLY_KV): the step's metadata and this slice's first key/value tile, off the
+    # critical path behind qkv. No kernel of the PDL chain writes them: the host's copies, the lanes'
+    # prologue (a plain launch, done before the chain's first kernel starts) and earlier launches did.
+    # .cg reads them from L2. Only q, k, v (qkv's output) need the wait.
+    PRE: tl.constexpr = ".cg" if EARLY_KV else ""
+    if not EARLY_KV:
         pdl_enter(USE_PDL)
     n_q = tl.load(len_ptr + row, cache_modifier=PRE)
     q_pos = tl.load(q_start_ptr + row, cache_modifier=PRE)
@@ -216,14 +212,10 @@ def _fused_decode_kernel(
     start, end = slice_bounds(q_pos, split, NUM_SPLITS, BLOCK_N)
     cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, D_P2, PRE)
     bt_row = bt_ptr + row * stride_bt
-    k0, v0 = None, None  # unless EARLY_KV is 1, attend_slice loads the first tile itself
-    if EARLY_KV == 1:
+    k0, v0 = None, None  # without EARLY_KV, attend_slice loads the first tile itself
+    if EARLY_KV:
         k0, v0 = load_kv_tile(kc_ptr, vc_ptr, bt_row, kv_head, start, end, stride_kcs, stride_kch, stride_vcs,
                               stride_vch, HEAD_DIM, D_P2, PAGE, BLOCK_N, PRE)  # fmt: skip
-        pdl_enter(USE_PDL)
-    if EARLY_KV == 2:
-        prefetch_kv_tile(kc_ptr, vc_ptr, bt_row, kv_head, start, end, stride_kcs, stride_kch, stride_vcs,
-                         stride_vch, PAGE, BLOCK_N, LINES, LINE_ELEMS, INTERPRETED)  # fmt: skip
         pdl_enter(USE_PDL)
 
     offs_g = tl.arange(0, GROUP_P2)
@@ -335,7 +327,6 @@ def fused_decode_attention(
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
         D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
         USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv(q.device, r * hkv), **_MAXNREG,
-        LINES=triton.cdiv(d * k_cache.element_size(), _LINE), LINE_ELEMS=_LINE // k_cache.element_size(),
     )  # fmt: skip
     return out
 
@@ -379,11 +370,10 @@ def pdl_launch_ok(device: torch.device, row_heads: int) -> bool:
     return tc_gemm.ENABLED and row_heads <= sm_count(device) * (2 if EARLY_KV else 1)
 
 
-def early_kv(device: torch.device, row_heads: int) -> int:
-    """Read the metadata and the first key/value tile before the PDL wait (1: into registers, 2: asked of L2):
-    only in an early (PDL) launch, which then reads them while qkv still runs; 0 reads after the wait
-    (OURO_FAST_EARLY_KV=0 / 1 / l2, for A/B runs)."""
-    return EARLY_KV if pdl_launch_ok(device, row_heads) else 0
+def early_kv(device: torch.device, row_heads: int) -> bool:
+    """Load the metadata and the first key/value tile before the PDL wait: only in an early (PDL) launch,
+    which then reads them while qkv still runs (OURO_FAST_EARLY_KV=0: never, for A/B runs)."""
+    return EARLY_KV and pdl_launch_ok(device, row_heads)
 
 
 _PDL_LAUNCH = os.environ.get("OURO_FAST_FUSED_DECODE_PDL", "")
@@ -393,8 +383,7 @@ _MAXNREG = {"maxnreg": int(_REGS)} if _REGS else {}
 
 # Measured on the H200 (eighteenth session): a loop takes 0.912 / 1.070 ms at 1 / 8 rows with the early loads
 # against 0.975 / 1.134 without; at 16 rows, a plain launch, they were slower (1.336 against 1.306).
-EARLY_KV = {"0": 0, "l2": 2}.get(os.environ.get("OURO_FAST_EARLY_KV", "1"), 1)
-_LINE = 128  # bytes of a cache line the L2 prefetch asks for
+EARLY_KV = os.environ.get("OURO_FAST_EARLY_KV", "1") != "0"
 
 # Per device: the arrival counters (all zero between launches).
 _COUNTERS = ArrivalCounters("fused_decode_attention", _MIN_COUNTERS)
