@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
+from ouro_fast.engine import lanes as lanes_mod  # noqa: E402
 from ouro_fast.engine.engine import Engine, EngineConfig  # noqa: E402
 from ouro_fast.engine.sampling import SamplingParams  # noqa: E402
 
@@ -43,6 +44,9 @@ def run(eng, requests, hook=None):
                 done[out.request_id] = out
     assert eng.bt.num_free_blocks == eng.bt.num_blocks
     assert eng.ahead is None or not eng.ahead.active
+    if eng.ahead is not None and not lanes_mod.RECORDS_COPY:
+        # Every launch's last kernel published its records: the device's ring position is the host's.
+        assert int(eng.ahead.lanes.emitted) == eng.ahead.lanes.count
     return done
 
 

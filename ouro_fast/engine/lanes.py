@@ -9,7 +9,8 @@ so launches can run ahead of the exit read-back (engine/runahead.py replays the
 recorded results into the scheduler one launch behind).
 
 Per launch the device writes one record per lane, [loop, exited, sampled id,
-active], copied to pinned host memory without waiting. A lane stops on the
+active], into a ring in pinned host memory (its last kernel stores them there; with
+OURO_FAST_RECORDS_COPY=1 a copy on the stream does, for A/B runs). A lane stops on the
 device when it samples one of its stop ids or reaches its length cap (the same
 rules as the engine), or when the host kills it (stop strings, aborts).
 
@@ -21,6 +22,7 @@ first token. The rider's record has the prompt row's loop, exit and first token.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
@@ -34,6 +36,8 @@ from .sampling import GREEDY_EPS
 
 MAX_STOP_IDS = 8  # stop token ids a lane checks on the device; requests with more stay host-driven
 RING = 4  # launches whose records can be in flight to the host
+# The launch's last kernel stores its records in the host ring (the default), or a copy after it does (A/B).
+RECORDS_COPY = os.environ.get("OURO_FAST_RECORDS_COPY", "") == "1"
 
 
 class DecodeLanes:
@@ -76,6 +80,7 @@ class DecodeLanes:
         )  # f32 and i32 parts travel as int64 words; i64's last row: the lane indices (seat)
         pin = dev.type == "cuda"
         self.host_records = torch.zeros(RING, r, 4, dtype=torch.int64, pin_memory=pin)
+        self.emitted = torch.zeros(1, **i64)  # launches since start() on the device: the ring slot
         self.events = [torch.cuda.Event() if pin else None for _ in range(RING)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.rows = 0
@@ -106,6 +111,7 @@ class DecodeLanes:
             self.h[:n] = torch.where(has[:, None], self.runner.h_prev[src], self.h[:n])
             self.ls[:n] = torch.where(has, self.runner.ls_prev[src], torch.zeros_like(self.ls[:n]))
         self.count = 0
+        self.emitted.zero_()
         self.launch_inputs(None, table_rows, tables)
 
     def seat(self, idx, lanes: dict) -> None:
@@ -203,13 +209,22 @@ class DecodeLanes:
                       src, dst)  # fmt: skip
         rider_epilogue(self, r, rider_lanes, exits, ids, rows)
         propagate_kv(r.kv_cache, src, dst)
+        self._publish(rows)
         return self._emit_records()
 
+    def _publish(self, rows: int) -> None:
+        # The records into the host ring, by the launch's last kernel (unless a copy does it, below).
+        from ..kernels.lanes import publish_records  # noqa: PLC0415
+
+        if not RECORDS_COPY:
+            publish_records(self, rows)
+
     def _emit_records(self) -> int:
-        # The launch's records go to the host ring without waiting; result() waits for them.
+        # The launch's records reach the host ring without waiting; result() waits for them.
         rows = self.rows
         i = self.count % RING
-        self.host_records[i, :rows].copy_(self.record[:rows], non_blocking=True)
+        if RECORDS_COPY:
+            self.host_records[i, :rows].copy_(self.record[:rows], non_blocking=True)
         if self.events[i] is not None:
             self.events[i].record()
         self.count += 1
@@ -247,7 +262,8 @@ class DecodeLanes:
             t.copy_(s)
 
     def _state(self):
-        return (self.tok, self.pos, self.loop, self.active, self.h, self.ls, self.launches, self.ploop)
+        lanes = (self.tok, self.pos, self.loop, self.active, self.h, self.ls, self.launches, self.ploop)
+        return (*lanes, self.emitted)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -292,6 +308,7 @@ class DecodeLanes:
         lane_epilogue(self, run, slot, log_surv, exits, ids, x, rows, bs, src, dst)
         # Last-exited propagation: the exit plane's K/V into every deeper plane, in this launch.
         propagate_kv(self.runner.kv_cache, src, dst)
+        self._publish(rows)
 
     def _lm_head(self, x: torch.Tensor, exits: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab]. Up to SKINNY_MAX_M lanes a launch where no lane exits skips the

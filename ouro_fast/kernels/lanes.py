@@ -183,6 +183,28 @@ def lane_epilogue(lanes, run, slot, log_surv, exits, ids, x, rows: int, block_si
     )  # fmt: skip
 
 
+@triton.jit
+def _publish_kernel(record_ptr, host_ptr, emitted_ptr, n, stride_slot, RING: tl.constexpr,
+                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    pdl_enter(USE_PDL)  # the records are the epilogues' output
+    count = tl.load(emitted_ptr)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(host_ptr + (count % RING) * stride_slot + offs, tl.load(record_ptr + offs, mask=m), mask=m)
+    tl.store(emitted_ptr, count + 1)
+
+
+def publish_records(lanes, rows: int) -> None:
+    """The launch's records [rows, 4] into the host ring's slot (launches since start() mod RING): stored
+    by the launch's last kernel into pinned memory the device can address, so no copy waits on the stream
+    between two lane graphs (the host reads the slot after the launch's event)."""
+    ring = lanes.host_records
+    _publish_kernel[(1,)](
+        lanes.record, ring, lanes.emitted, rows * 4, ring.stride(0), RING=ring.shape[0],
+        BLOCK=next_pow2(ring.shape[1] * 4), **pdl_launch(lanes.device, "lanes"),
+    )  # fmt: skip
+
+
 # ---- prompts riding in the lanes' launches (engine/riders.py) -----------------------------------------
 
 
