@@ -12,7 +12,7 @@
 # log) and serve_gpu.log. Exit status: serve_bench's (1 if any run failed validation).
 #
 # Settings (environment): PRESET (ouro-1.4b), DTYPE (bfloat16), DEVICE (cuda), RUNNER (auto),
-# CONCURRENCY (1:32,8:64), RATE (4:64, '' for none), THRESHOLD (0.5), PYTHON and CLIENT_PYTHON
+# CONCURRENCY (1:32,8:64), RATE (4:64, '' for none), THRESHOLD (0.5, '' for none), PYTHON and CLIENT_PYTHON
 # (python3), DEADLINE_S (450: seconds from the start after which serve_bench is stopped, its
 # partial results kept), WORK (/tmp/serve-gpu). SKIP_SETUP=1 skips the wheels and the build: with
 # PRESET=tiny DTYPE=float32 DEVICE=cpu RUNNER=torch and the client venv as CLIENT_PYTHON, the same
@@ -28,7 +28,7 @@ DEVICE=${DEVICE:-cuda}
 RUNNER=${RUNNER:-auto}
 CONCURRENCY=${CONCURRENCY:-1:32,8:64}
 RATE=${RATE-4:64}
-THRESHOLD=${THRESHOLD:-0.5}
+THRESHOLD=${THRESHOLD-0.5}
 PY=${PYTHON:-python3}
 CLIENT_PYTHON=${CLIENT_PYTHON:-python3}
 DEADLINE_S=${DEADLINE_S:-450}
@@ -53,7 +53,7 @@ echo "serve_bench: $left s left"
 timeout -s TERM -k 30 "$left" "$PY" -m bench.serve_bench \
   --preset "$PRESET" --dtype "$DTYPE" --device "$DEVICE" --runner "$RUNNER" \
   --ckpt-dir /tmp/serve-ckpt --client-python "$CLIENT_PYTHON" \
-  --concurrency "$CONCURRENCY" --rate "$RATE" --exit-threshold "$THRESHOLD" \
+  --concurrency "$CONCURRENCY" --rate "$RATE" ${THRESHOLD:+--exit-threshold "$THRESHOLD"} \
   --startup-timeout 240 --client-timeout 240 ${COMMIT:+--commit "$COMMIT"} --out "$WORK/$run"
 rc=$?
 
