@@ -7,7 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+if not torch.cuda.is_available():
+    # Before triton is imported, as the kernel tests set it: a module collected before theirs that imported
+    # the kernels uninterpreted would leave them compiled-only for every later test on a CPU machine.
+    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 TOOL = Path(__file__).parent.parent / "bench" / "gpu" / "attn_resources.py"
 sys.path.insert(0, str(TOOL.parent))
