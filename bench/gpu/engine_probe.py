@@ -175,7 +175,9 @@ def main() -> None:
     depth = int(os.environ.get("PROBE_RUN_AHEAD_DEPTH", "1"))
     # PROBE_DATAFLOW: 1 on, 0 off, unset the default (EngineConfig.dataflow: on where supported).
     dataflow = {"1": True, "0": False}.get(os.environ.get("PROBE_DATAFLOW", ""))
-    eng = Engine(EngineConfig(model=CKPT, max_num_seqs=64, max_num_batched_tokens=2048, runner=runner,
+    # PROBE_MAX_TOKENS: the step's token budget (max_num_batched_tokens).
+    max_tokens = int(os.environ.get("PROBE_MAX_TOKENS", "2048"))
+    eng = Engine(EngineConfig(model=CKPT, max_num_seqs=64, max_num_batched_tokens=max_tokens, runner=runner,
                               run_ahead=ahead != "0", run_ahead_full_depth=ahead == "full",
                               run_ahead_depth=depth, dataflow=dataflow))  # fmt: skip
     print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.bt.num_blocks} KV blocks", flush=True)

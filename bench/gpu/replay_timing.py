@@ -30,3 +30,22 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int, warmup: int = 10) -> fl
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays
+
+
+def host_replay_us(graph: torch.cuda.CUDAGraph, n: int = 20) -> dict[str, float]:
+    """Median host microseconds of one graph.replay() call: with the GPU idle (synchronized first), and
+    queued right behind a replay of the same graph (the GPU busy, as run-ahead queues launches)."""
+    import statistics
+    import time
+
+    idle, busy = [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graph.replay()
+        idle.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        graph.replay()
+        busy.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return {"idle": round(1e6 * statistics.median(idle), 1), "busy": round(1e6 * statistics.median(busy), 1)}

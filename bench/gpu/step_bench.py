@@ -7,9 +7,10 @@ count. `--prefill-tokens T ...` times a loop over a step that carries a prompt i
 decode rows and one `--prompt`-token prompt, padded to T tokens and 64 rows as the runner pads a riders'
 step (engine/riders.py), and the loop's cuBLAS matmuls alone at T rows. `--attn-config SPLITS:BLOCK_N[:WARPS]
 ...` times the loop again with the decode attention's split count, tile width (and warps) forced
-(decode_config patched, in this process only). Environment switches (OURO_FAST_PDL, OURO_FAST_PDL_PLAIN,
-OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE, OURO_FAST_EARLY_KV) are read at import: run one process per
-setting, e.g.
+(decode_config patched, in this process only). `--host-replay` adds each graph's host time a replay() call
+takes, the GPU idle and busy (replay_timing.host_replay_us). Environment switches (OURO_FAST_PDL,
+OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE, OURO_FAST_EARLY_KV) are read at import:
+run one process per setting, e.g.
 
     for v in "" skinny norm; do OURO_FAST_PDL_PLAIN=$v python3 bench/gpu/step_bench.py --tag "$v"; done
 """
@@ -30,7 +31,7 @@ from ouro_fast.model.ouro import OuroForCausalLM
 from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention
 
 sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
-from replay_timing import capture, replay_ms  # noqa: E402
+from replay_timing import capture, host_replay_us, replay_ms  # noqa: E402
 
 
 def build(preset: str) -> OuroForCausalLM:
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--prefill-lanes", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N[:WARPS] settings to time")
+    ap.add_argument("--host-replay", action="store_true", help="also the host time of graph.replay()")
     args = ap.parse_args()
     model = build(args.preset)
     cfg, page, max_blocks = model.config, 16, 64
@@ -120,7 +122,10 @@ def main() -> None:
             h = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
             with torch.inference_mode():
                 step = lambda h=h, attn=attn: run_loop_fused(model, h, attn)  # noqa: E731
-                out[f"rows_{rows}{suffix}_ms"] = round(replay_ms(capture(step), args.replays, warmup=1), 4)
+                graph = capture(step)
+                out[f"rows_{rows}{suffix}_ms"] = round(replay_ms(graph, args.replays, warmup=1), 4)
+                if args.host_replay and not setting:
+                    out[f"rows_{rows}_host_replay_us"] = host_replay_us(graph)
             del cache, attn
     decode_attention.decode_config = default
     for tokens in args.prefill_tokens:
@@ -140,9 +145,11 @@ def prefill_ms(model, args, tokens: int, page: int, max_blocks: int) -> dict:
     xf = torch.randn(tokens, cfg.intermediate_size, device="cuda").to(torch.bfloat16)
     tag = f"prefill_{args.prefill_lanes}+{args.prompt}_at_{tokens}"
     with torch.inference_mode():
-        loop = replay_ms(capture(lambda: run_loop_fused(model, h, attn)), args.replays // 4, warmup=1)
+        graph = capture(lambda: run_loop_fused(model, h, attn))
+        loop = replay_ms(graph, args.replays // 4, warmup=1)
+        host = {f"{tag}_host_replay_us": host_replay_us(graph)} if args.host_replay else {}
         mm = replay_ms(capture(lambda: matmuls(model, h, xf)), args.replays // 4, warmup=1)
-    return {f"{tag}_ms": round(loop, 4), f"{tag}_matmuls_ms": round(mm, 4)}
+    return {f"{tag}_ms": round(loop, 4), f"{tag}_matmuls_ms": round(mm, 4), **host}
 
 
 def _forced(default, setting: str):
