@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -54,6 +55,21 @@ def test_config_from_env():
         ServerConfig.from_env({"OURO_FAST_MAX_WAITING": "many"})
     with pytest.raises(ConfigError, match="OURO_FAST_STREAM_BUFFER"):
         ServerConfig.from_env({"OURO_FAST_STREAM_BUFFER": "0"})
+    with pytest.raises(ConfigError, match="OURO_FAST_GIL_SWITCH_MS"):
+        ServerConfig.from_env({"OURO_FAST_GIL_SWITCH_MS": "0"})
+
+
+def test_gil_switch_interval_applied_only_when_set():
+    from ouro_fast.server.app import apply_gil_switch
+
+    before = sys.getswitchinterval()
+    try:
+        apply_gil_switch(ServerConfig.from_env({}))
+        assert sys.getswitchinterval() == before
+        apply_gil_switch(ServerConfig.from_env({"OURO_FAST_GIL_SWITCH_MS": "0.5"}))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_parse_faults():

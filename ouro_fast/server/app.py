@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import logging
 import os
+import sys
 import time
 
 from sanic import Request, Sanic
@@ -66,12 +67,19 @@ def _setup_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
+def apply_gil_switch(config: ServerConfig) -> None:
+    # The engine-owner thread shares the GIL with the event loop: a shorter interval gets it back sooner.
+    if config.gil_switch_ms is not None:
+        sys.setswitchinterval(config.gil_switch_ms / 1000)
+
+
 @app.before_server_start
 async def start_engine(app: Sanic) -> None:
     config = ServerConfig.from_env()
     _setup_logging(config.log_level)
     if app.state.workers > 1:
         raise RuntimeError("ouro_fast serves from one Sanic worker (one engine per process): drop --workers")
+    apply_gil_switch(config)
     app.config.REQUEST_MAX_SIZE = config.max_body_bytes
     app.config.RESPONSE_TIMEOUT = config.response_timeout
     if config.test_faults:

@@ -51,6 +51,9 @@ class ServerConfig:
     shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM before abort
     response_timeout: float = 3600.0  # Sanic's RESPONSE_TIMEOUT: silence allowed while queued
     log_level: str = "INFO"  # of the ouro_fast loggers
+    # sys.setswitchinterval for the worker, in ms (None: Python's 5 ms): how long the event loop may keep
+    # the GIL once the engine-owner thread wants it back (a CUDA wait returned, its next launch to queue).
+    gil_switch_ms: float | None = None
     # Test-only fault injection, "SEED@TOKENS,...": see owner.parse_faults.
     test_faults: str = field(default="", repr=False)
 
@@ -101,6 +104,9 @@ class ServerConfig:
             raise ConfigError(f"{env_name('ring_capacity')} must be in [2, 2**30], got {self.ring_capacity}")
         if self.runner not in ("auto", "torch", "triton"):
             raise ConfigError(f"{env_name('runner')} must be auto, torch or triton, got {self.runner!r}")
+        switch = self.gil_switch_ms
+        if switch is not None and not 0.01 <= switch <= 1000:
+            raise ConfigError(f"{env_name('gil_switch_ms')} must be in [0.01, 1000], got {switch}")
         if self.shutdown_grace < 0 or self.response_timeout <= 0:
             raise ConfigError(
                 f"{env_name('shutdown_grace')} must be >= 0 and {env_name('response_timeout')} > 0"

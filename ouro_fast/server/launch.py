@@ -18,6 +18,7 @@ from .config import ConfigError, ServerConfig, env_name
 # Settings that are not command-line options: test_faults is test-only, set by environment.
 _NOT_OPTIONS = frozenset({"test_faults"})
 _HELP = {
+    "gil_switch_ms": "the worker's sys.setswitchinterval in ms (default: Python's 5 ms)",
     "model": "checkpoint directory (default: the embedded tiny model with random weights)",
     "served_model_name": "comma-separated names clients may use as 'model' (default: --model as given)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize",
