@@ -35,8 +35,8 @@ import torch
 from . import tc_gemm
 from ._util import next_pow2, sm_count
 
-# OURO_FAST_TC_FOLD=1 folds the norms (off until measured on the GPU); FOLD_ROWS: the most rows a step folds, up to 8
-# (the row statistics are computed one row at a time, so wide steps may be faster unfolded).
+# OURO_FAST_TC_FOLD=1 folds the norms (off until measured on the GPU); FOLD_ROWS: the most rows a step
+# folds, up to 8 (the row statistics are computed one row at a time, so wide steps may be faster unfolded).
 ENABLED = os.environ.get("OURO_FAST_TC_FOLD", "0") != "0"
 FOLD_ROWS = int(os.environ.get("OURO_FAST_TC_FOLD_ROWS", "8"))
 
