@@ -29,8 +29,10 @@ import torch
 from . import tc_gemm
 from ._util import next_pow2, sm_count
 
-# OURO_FAST_TC_NORM=1 puts the norms in the matmuls' prologues at one row (off until measured on the GPU).
-ENABLED = os.environ.get("OURO_FAST_TC_NORM", "0") != "0"
+# OURO_FAST_TC_NORM=1 puts the norms in the matmuls' prologues at one row (off until measured on the GPU);
+# "qkv" or "gate_up": only that matmul's (A/B runs).
+WHERE = os.environ.get("OURO_FAST_TC_NORM", "0")
+ENABLED = WHERE != "0"
 
 if tc_gemm.HAVE_GLUON:
     from triton.experimental import gluon

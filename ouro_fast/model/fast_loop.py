@@ -48,7 +48,8 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
     qkv_partial = getattr(attn, "takes_partials", lambda: False)()  # the fused decode attention adds them
     x = rms_norm(h, layers[0].input_layernorm.weight, eps)
     fused = norms_in_matmuls(model, x)
-    down = None  # when fused: the previous layer's down partials, whose norm the next qkv applies
+    in_qkv, in_gate_up = fused and tc_norm_gemm.WHERE != "gate_up", fused and tc_norm_gemm.WHERE != "qkv"
+    down = None  # with in_qkv: the previous layer's down partials, whose norm the next qkv applies
     for i, layer in enumerate(layers):
         sa, mlp = layer.self_attn, layer.mlp
         if down is None:
@@ -60,16 +61,19 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
         lead = qkv.shape[:-1]  # [N], or [S, N] for partial products
         o = attn(i, q.view(*lead, hq, d), k.view(*lead, hkv, d), v.view(*lead, hkv, d)).reshape(n, hq * d)
         a = linear(o, sa.o_proj.weight, partial=True)
-        if fused:
-            w2, w_in = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
+        w2, w_in = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
+        if in_gate_up:
             gate_up, h = tc_norm_gemm.tc_norm_linear(h, a, w2, w_in, mlp.gate_up_weight, eps)
-            down = linear(gate_up, mlp.down_proj.weight, silu_mul=True, partial=True)
+        else:
+            h, m = add_rms_norm(h, a, w2, w_in, eps)
+            gate_up = linear(m, mlp.gate_up_weight)
+        out = linear(gate_up, mlp.down_proj.weight, silu_mul=True, partial=True)
+        if in_qkv:
+            down = out
             continue
-        h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
-        out = linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True, partial=True)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
         h, x = add_rms_norm(h, out, layer.post_attention_layernorm_2.weight, w_next, eps)
-    if fused:  # the last layer's MLP norm and the final norm: the loop's output
+    if in_qkv:  # the last layer's MLP norm and the final norm: the loop's output
         w2 = layers[-1].post_attention_layernorm_2.weight
         _, x = add_rms_norm(h, down, w2, model.model.norm.weight, eps)
     return x
