@@ -1,8 +1,9 @@
 """Numerics of folding a sandwich norm into the next matmul by linearity (docs/design.md, "Known limits").
 
 Today a layer's norm kernel sums the matmul's partial products d, rounds it, adds RMS(d, w2) to the
-residual h, rounds h', and hands x = RMS(h', w_in) in bf16 to the next matmul W. The fold (not built)
-lets the matmul read h and d itself:
+residual h, rounds h', and hands x = RMS(h', w_in) in bf16 to the next matmul W. The fold lets the
+matmul read h and d itself (built in Gluon in the twenty-third session, 3b36b23, and removed: the loop was
+slower, docs/benchmarks.md "Twenty-third session"; this script keeps the numerics for a later design):
 
     y = r * (A + s * B),  A = bf16(h * w_in) @ W.T,  B = bf16(d * w2 * w_in) @ W.T
 

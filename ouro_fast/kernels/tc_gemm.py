@@ -130,12 +130,6 @@ def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> bool:
     return kx == k and n % TR == 0 and k % tc == 0 and w.is_contiguous() and aligned
 
 
-def takes_weight(w: torch.Tensor) -> bool:
-    """The weight half of supported(): bf16, contiguous, rows and columns that tile evenly."""
-    tiles_evenly = w.shape[0] % TR == 0 and w.shape[1] % CONFIG[0] == 0
-    return w.dtype == torch.bfloat16 and w.is_contiguous() and tiles_evenly
-
-
 if HAVE_GLUON:
 
     @gluon.jit

@@ -11,16 +11,13 @@ kernel (kernels/tc_gemm.py, which streams its weights before its PDL wait), else
 skinny Triton kernel (so on Hopper every kernel of the loop is a PDL launch); beyond, cuBLAS.
 On tensor cores qkv (in decode calls), o_proj and down hand out fp32 partial products, which
 the fused decode attention and the norms add: no matmul sums between its CTAs.
-In a one-row step on tensor cores, the two norms of a layer run in the next matmuls' prologues
-instead (kernels/tc_norm_gemm.py: gate_up, and the next layer's qkv, which also write the
-residual); one norm kernel opens the loop and one closes it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import add_rms_norm, rms_norm, tc_gemm, tc_norm_gemm
+from ..kernels import add_rms_norm, rms_norm, tc_gemm
 from ..kernels.skinny_gemm import skinny_linear
 from .ouro import OuroForCausalLM
 
@@ -47,45 +44,15 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
     n, hq, hkv, d = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkv_partial = getattr(attn, "takes_partials", lambda: False)()  # the fused decode attention adds them
     x = rms_norm(h, layers[0].input_layernorm.weight, eps)
-    fused = norms_in_matmuls(model, x)
-    in_qkv, in_gate_up = fused and tc_norm_gemm.WHERE != "gate_up", fused and tc_norm_gemm.WHERE != "qkv"
-    down = None  # with in_qkv: the previous layer's down partials, whose norm the next qkv applies
     for i, layer in enumerate(layers):
         sa, mlp = layer.self_attn, layer.mlp
-        if down is None:
-            qkv = linear(x, sa.qkv_weight, partial=qkv_partial)
-        else:
-            w2, w_in = layers[i - 1].post_attention_layernorm_2.weight, layer.input_layernorm.weight
-            qkv, h = tc_norm_gemm.tc_norm_linear(h, down, w2, w_in, sa.qkv_weight, eps, partial=qkv_partial)
+        qkv = linear(x, sa.qkv_weight, partial=qkv_partial)
         q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
         lead = qkv.shape[:-1]  # [N], or [S, N] for partial products
         o = attn(i, q.view(*lead, hq, d), k.view(*lead, hkv, d), v.view(*lead, hkv, d)).reshape(n, hq * d)
         a = linear(o, sa.o_proj.weight, partial=True)
-        w2, w_in = layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight
-        if in_gate_up:
-            gate_up, h = tc_norm_gemm.tc_norm_linear(h, a, w2, w_in, mlp.gate_up_weight, eps)
-        else:
-            h, m = add_rms_norm(h, a, w2, w_in, eps)
-            gate_up = linear(m, mlp.gate_up_weight)
-        out = linear(gate_up, mlp.down_proj.weight, silu_mul=True, partial=True)
-        if in_qkv:
-            down = out
-            continue
+        h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
+        out = linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True, partial=True)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
         h, x = add_rms_norm(h, out, layer.post_attention_layernorm_2.weight, w_next, eps)
-    if in_qkv:  # the last layer's MLP norm and the final norm: the loop's output
-        w2 = layers[-1].post_attention_layernorm_2.weight
-        _, x = add_rms_norm(h, down, w2, model.model.norm.weight, eps)
     return x
-
-
-def norms_in_matmuls(model: OuroForCausalLM, x: torch.Tensor) -> bool:
-    """True when this step's sandwich norms run in the next matmuls' prologues (kernels/tc_norm_gemm.py):
-    one row, every matrix on tensor cores (o_proj and down with partial products)."""
-    layer = model.model.layers[0]
-    sa, mlp = layer.self_attn, layer.mlp
-    if not (tc_norm_gemm.takes_rows(x) and tc_gemm.supported(x, sa.qkv_weight)):
-        return False
-    if not tc_gemm.supported(x, mlp.gate_up_weight):
-        return False
-    return tc_gemm.takes_weight(sa.o_proj.weight) and tc_gemm.takes_weight(mlp.down_proj.weight)
