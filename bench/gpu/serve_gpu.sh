@@ -14,7 +14,8 @@
 # Budget (H200 machine, s22): the server is ready in ~12 s with Triton's cache warm (~40 s on a fresh
 # machine); each `vllm bench serve` call then costs ~21 s of client start on top of its run: one warm-up per
 # depth policy, plus one call per run (c=1 with 32 prompts runs ~8.5 s, c=8 with 64 ~2.5 s). The defaults
-# (5 runs, 2 warm-ups) need ~5-6 min; one c=8 run alone ~65 s after the server is ready.
+# (5 runs, 2 warm-ups) need ~5-6 min; one c=8 run alone ~65 s after the server is ready. The first call on a
+# machine also generates the checkpoint (~17 s, s23) inside DEADLINE_S: give the first server that much more.
 #
 # Settings (environment): PRESET (ouro-1.4b), DTYPE (bfloat16), DEVICE (cuda), RUNNER (auto),
 # CONCURRENCY (1:32,8:64), RATE (4:64, '' for none), THRESHOLD (0.5, '' for none), PYTHON and CLIENT_PYTHON
