@@ -79,7 +79,7 @@ def ptxas_usage(ptx: str) -> dict:
     }
 
 
-def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, ahead: int | None = None) -> dict:
+def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool) -> dict:
     """tc_gemm's kernel at one shape, as tc_linear would launch it on a 132-SM H200."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -100,9 +100,8 @@ def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, ahead
     cnt = torch.empty(16, dtype=torch.int32)
     ring = t.ring_slots(tc, ntok, silu_mul, nbuf, budget)
     kernel = t._tc_gemm_kernel.warmup(
-        w_desc, w, x_desc, out, out, cnt, cnt, m, n, tiles, ctas, kt, slots, k,
-        NBUF=ring, SILU_MUL=silu_mul, PARTS=partial, STAMP=False, PRE=t.PREFETCH,
-        AHEAD=t.L2_AHEAD if ahead is None else ahead, num_warps=4,
+        w_desc, x_desc, out, out, cnt, cnt, m, n, tiles, ctas, kt, slots, k,
+        NBUF=ring, SILU_MUL=silu_mul, PARTS=partial, STAMP=False, PRE=t.PREFETCH, num_warps=4,
         maxnreg=t.MAXNREG[ntok], launch_pdl=True, grid=(ctas,),
     )  # fmt: skip
     return {"n": n, "k": k, "m": m, "ctas": ctas, "ring": ring, "smem": kernel.metadata.shared,

@@ -64,9 +64,6 @@ CONFIG = tuple(int(v) for v in os.environ.get("OURO_FAST_TC_CONFIG", "256:4:1").
 SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(225 * 1024)))
 # Weight tiles a CTA may load before its PDL wait (A/B runs; the default, 64, fills the ring).
 PREFETCH = int(os.environ.get("OURO_FAST_TC_PREFETCH", "64"))
-# Weight tiles past the ring that a CTA asks L2 for before its PDL wait (A/B runs; 0: none), so that after the
-# wait they come from L2 rather than HBM while HBM would otherwise idle across the hop.
-L2_AHEAD = int(os.environ.get("OURO_FAST_TC_L2_AHEAD", "0"))
 # Where row groups outnumber SMs (up to twice: gate_up's 176 on 132), a CTA per group, two an SM, each
 # with half the ring: no group split between CTAs, so no sums at the tail (H200: loop 1.014 / 1.125 ms
 # at 1 / 8 rows against 1.072 / 1.172; docs/benchmarks.md, seventeenth session). OURO_FAST_TC_WHOLE=0: off.
@@ -173,20 +170,8 @@ if HAVE_GLUON:
         return lo, ((c + 1) * T) // G - lo
 
     @gluon.jit
-    def _prefetch_l2(w_ptr, t, KT, K, TC: gl.constexpr):
-        # Weight tile t ([64, TC] bf16: row group t // KT, column block t % KT) into L2, one bulk prefetch of
-        # each row's TC * 2 = 512 bytes (the host allows TC 256 only); nothing waits for it.
-        L: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
-        rows = (t // KT) * _TR + gl.arange(0, _TR, layout=L)
-        addr = w_ptr + rows.to(gl.int64) * K + (t % KT) * TC
-        return gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 512; mov.u32 $0, 0;", "=r,l",
-                                         [addr], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-
-    @gluon.jit
-    def _wloader(w_desc, w_ptr, ring, wready, empty, go, T, G, KT, K, NBUF: gl.constexpr, PRE: gl.constexpr,
-                 AHEAD: gl.constexpr):  # fmt: skip
+    def _wloader(w_desc, ring, wready, empty, go, T, G, KT, NBUF: gl.constexpr, PRE: gl.constexpr):
         # One warp: the weight tiles, as far ahead as the ring allows; the first PRE before the PDL wait.
-        # AHEAD > 0: once the ring's first tiles are asked for, the next AHEAD tiles of the range into L2.
         TC: gl.constexpr = w_desc.block_type.shape[1]
         lo, n = _range(T, G)
         for i in range(n):
@@ -198,10 +183,6 @@ if HAVE_GLUON:
             mbarrier.expect(wready.index(slot), w_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(w_desc, [(t // KT) * _TR, (t % KT) * TC], wready.index(slot),
                                             ring.index(slot))  # fmt: skip
-            if AHEAD > 0:  # noqa: SIM102 (a constexpr branch)
-                if i == NBUF - 1:
-                    for j in range(NBUF, gl.minimum(n, NBUF + AHEAD)):
-                        _prefetch_l2(w_ptr, lo + j, KT, K, TC)
 
     @gluon.jit
     def _xloader(x_desc, ts_ptr, xring, xready, empty, go, T, G, KT, F, NBUF: gl.constexpr,
@@ -315,9 +296,9 @@ if HAVE_GLUON:
         _stamp(ts_ptr, 3, STAMP)
 
     @gluon.jit
-    def _tc_gemm_kernel(w_desc, w_ptr, x_desc, out_ptr, part_ptr, cnt_ptr, ts_ptr, M, stride_out, T, G, KT, S,
-                        F, NBUF: gl.constexpr, SILU_MUL: gl.constexpr, PARTS: gl.constexpr,
-                        STAMP: gl.constexpr, PRE: gl.constexpr, AHEAD: gl.constexpr):  # fmt: skip
+    def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, ts_ptr, M, stride_out, T, G, KT, S, F,
+                        NBUF: gl.constexpr, SILU_MUL: gl.constexpr, PARTS: gl.constexpr,
+                        STAMP: gl.constexpr, PRE: gl.constexpr):  # fmt: skip
         TC: gl.constexpr = w_desc.block_type.shape[1]
         NTOK: gl.constexpr = x_desc.block_type.shape[0]
         NX: gl.constexpr = 2 if SILU_MUL else 1
@@ -338,7 +319,7 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M,
                          stride_out, T, G, KT, S, NBUF, NTOK, TC, SILU_MUL, PARTS, STAMP)),
-            (_wloader, (w_desc, w_ptr, ring, wready, empty, go, T, G, KT, F, NBUF, PRE, AHEAD)),
+            (_wloader, (w_desc, ring, wready, empty, go, T, G, KT, NBUF, PRE)),
             (_xloader, (x_desc, ts_ptr, xring, xready, empty, go, T, G, KT, F, NBUF, SILU_MUL, STAMP)),
         ], [1, 1], [40, 40])  # fmt: skip
 
@@ -394,9 +375,8 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     part, cnt = _WORKSPACE.get(x.device, (n // TR) * kt * TR * ntok, n // TR)
     ts = cnt if stamps is None else stamps
     _tc_gemm_kernel[(ctas,)](
-        w_desc, w, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, slots, k,
+        w_desc, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, slots, k,
         NBUF=ring_slots(tc, ntok, silu_mul, nbuf, budget), SILU_MUL=silu_mul, PARTS=partial,
-        STAMP=stamps is not None, PRE=PREFETCH, AHEAD=L2_AHEAD if tc == 256 else 0, num_warps=4,
-        maxnreg=MAXNREG[ntok], launch_pdl=True,
+        STAMP=stamps is not None, PRE=PREFETCH, num_warps=4, maxnreg=MAXNREG[ntok], launch_pdl=True,
     )  # fmt: skip
     return out
