@@ -25,6 +25,17 @@ EVENTS = [
 ]
 
 
+def test_short_names_drop_namespaces_templates_and_arguments():
+    long = "void at::native::(anonymous namespace)::indexSelect<float, 2>(at::cuda::Info<float, int>, int)"
+    assert trace_split.short_name(long) == "indexSelect"
+    lam = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl<{lambda(int)#1}> >(int, F)"
+    assert trace_split.short_name(lam) == "elementwise_kernel"
+    assert (
+        trace_split.short_name("nvjet_sm90_tst_176x128_64x5_1x2_h_bz_TNN")
+        == "nvjet_sm90_tst_176x128_64x5_1x2_h_bz_TNN"
+    )
+
+
 def test_overlapping_kernels_are_charged_their_frontier_increment(tmp_path):
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:

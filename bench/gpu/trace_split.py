@@ -38,8 +38,10 @@ def load_kernels(path: str) -> list[dict]:
 
 def short_name(name: str) -> str:
     """A kernel's function name without C++ templates, argument lists or a leading namespace."""
-    name = re.sub(r"<.*>", "", name)
-    name = re.sub(r"\(.*\)", "", name).strip()
+    name = name.replace("(anonymous namespace)", "anon")
+    name = re.split(r"[<(]", name, maxsplit=1)[
+        0
+    ].strip()  # templates and arguments may nest: cut at the first
     return name.split("::")[-1].split(" ")[-1] or name
 
 
