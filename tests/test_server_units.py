@@ -99,6 +99,19 @@ def test_completion_defaults_and_neutral_fields():
     assert (params.max_tokens, params.exit_threshold, params.max_loops) == (16, 0.5, 2)
 
 
+def test_huge_integers_get_a_400_not_an_overflow():
+    # Found by tests/test_fuzz.py: math.isfinite(-10**400) raised OverflowError, a 500 from the catch-all.
+    huge = -(10**400)
+    for field in ("n", "presence_penalty", "temperature", "exit_threshold", "max_tokens"):
+        with pytest.raises(ApiError) as e:
+            protocol.parse_completion({"prompt": "x", field: huge}, INFO)
+        assert e.value.status == 400 and e.value.param == field and "-1000" in e.value.message
+    chat = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 10**400}
+    with pytest.raises(ApiError) as e:
+        protocol.parse_chat(chat, INFO, lambda m, g=True: "T")
+    assert e.value.status == 400 and e.value.param == "top_logprobs"
+
+
 def test_length_and_chat_limits():
     req = protocol.parse_completion({"prompt": "x", "max_tokens": 40}, INFO)
     assert protocol.sampling_params(req, 8, INFO).max_tokens == 40

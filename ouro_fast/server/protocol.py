@@ -113,7 +113,8 @@ def _is_int(x: object) -> bool:
 
 
 def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    # An int is always finite; math.isfinite would convert it to float and overflow past ~1e308.
+    return _is_int(x) or (isinstance(x, float) and math.isfinite(x))
 
 
 def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
