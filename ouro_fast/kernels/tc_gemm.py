@@ -59,9 +59,11 @@ TR = 64  # weight rows per tile: the wgmma's M
 ENABLED = os.environ.get("OURO_FAST_TC_GEMM", "1") != "0"
 # Tile columns, most ring slots and CTAs per SM: (TC, NBUF, CTAS_PER_SM), from OURO_FAST_TC_CONFIG.
 CONFIG = tuple(int(v) for v in os.environ.get("OURO_FAST_TC_CONFIG", "256:4:1").split(":"))
-# Shared memory a CTA may take: one CTA a SM with a 4-slot ring. Two a SM (112 KB each, the next matmul's
-# CTAs streaming beside this one's) measured slower (docs/benchmarks.md, sixteenth session).
-SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(225 * 1024)))
+# Shared memory a CTA may take: one CTA a SM. Two a SM (112 KB each, the next matmul's CTAs streaming beside
+# this one's) measured slower (docs/benchmarks.md, sixteenth session). 160 KB keeps qkv's and o_proj's 4-slot
+# ring at up to 8 rows and gives down 3 slots: loop 0.911 / 1.026 ms at 1 / 8 rows against 0.917 / 1.037 with
+# 225 KB (H200, two rounds; 113 KB: 0.972 / 1.140; twenty-fourth session).
+SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(160 * 1024)))
 # Weight tiles a CTA may load before its PDL wait (A/B runs; the default, 64, fills the ring).
 PREFETCH = int(os.environ.get("OURO_FAST_TC_PREFETCH", "64"))
 # Where row groups outnumber SMs (up to twice: gate_up's 176 on 132), a CTA per group, two an SM, each
