@@ -82,6 +82,7 @@ def busy_metrics() -> ServerMetrics:
     m.rejected["overload"] += 2
     m.engine = EngineSnapshot(running=2, waiting=3, kv_blocks_used=40, kv_blocks_total=160, preemptions=7,
                               run_ahead_steps=11, run_ahead_runs=2, run_ahead_riders=3,
+                              run_ahead_exit_steps=5,
                               rows_per_loop=[9, 8, 6, 5], exit_depth=[4, 0, 3, 2], step_rows=[1] + [0] * 10,
                               rows_total=1)  # fmt: skip
     return m
@@ -143,6 +144,7 @@ def test_exits_per_loop_preemptions_and_request_token_histograms():
     assert values(text, "ouro_fast:run_ahead_steps_total") == {None: 11}
     assert values(text, "ouro_fast:run_ahead_runs_total") == {None: 2}
     assert values(text, "ouro_fast:run_ahead_riders_total") == {None: 3}
+    assert values(text, "ouro_fast:run_ahead_exit_steps_total") == {None: 5}
     fams = strict_parse(text)
     prompt = {lab["le"]: v for n, lab, v in fams["vllm:request_prompt_tokens"]["samples"] if "le" in lab}
     assert (prompt["2"], prompt["5"], prompt["200"], prompt["500"], prompt["+Inf"]) == (0, 1, 1, 2, 2)

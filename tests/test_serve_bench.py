@@ -145,6 +145,7 @@ def page(prompt: int, gen: int, length: int, depth_counts: list[int], aborted: i
         f"ouro_fast:run_ahead_steps_total{{{lab}}} {gen * 3}",
         f"ouro_fast:run_ahead_runs_total{{{lab}}} {length}",
         f"ouro_fast:run_ahead_riders_total{{{lab}}} {2 * length}",
+        f"ouro_fast:run_ahead_exit_steps_total{{{lab}}} {gen}",
         f"ouro_fast:requests_in_flight{{{lab}}} 0",
     ]
     if aborted:
@@ -172,7 +173,7 @@ def test_metrics_delta_against_hand_counts():
     assert d["exit_depth_histogram"] == {"1": 10, "2": 12, "3": 6, "4": 4}
     assert d["exit_depth_tokens"] == 32
     assert (d["engine_steps"], d["run_ahead_steps"], d["run_ahead_runs"]) == (128, 96, 4)
-    assert d["run_ahead_riders"] == 8
+    assert d["run_ahead_riders"] == 8 and d["run_ahead_exit_steps"] == 32
     assert d["mean_exit_depth"] == pytest.approx((10 + 24 + 18 + 16) / 32, abs=1e-3)
     # The delta as validation sees it: the abort is reported, the counts agree.
     server = {**d, "finished_by_reason": {"length": N}}

@@ -188,6 +188,11 @@ class ServerMetrics:
                 "Prompts that ran their loops in run-ahead launches (arrivals that did not end a run).",
                 eng.run_ahead_riders,
             ),
+            (
+                "ouro_fast:run_ahead_exit_steps_total",
+                "Run-ahead steps where some row exited; the others skip the lm_head's weight stream.",
+                eng.run_ahead_exit_steps,
+            ),
             ("vllm:num_preemptions_total", "Requests preempted to free KV (vLLM's name).", eng.preemptions),
             ("ouro_fast:owner_wakeups_total", "Loop iterations of the engine-owner thread.", eng.wakeups),
             (
