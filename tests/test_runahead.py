@@ -17,7 +17,6 @@ pytest.importorskip("triton", reason="triton is not installed (the test extra in
 
 from ouro_fast.engine import lanes as lanes_mod  # noqa: E402
 from ouro_fast.engine.engine import Engine, EngineConfig  # noqa: E402
-from ouro_fast.engine.riders import RUNNING  # noqa: E402
 from ouro_fast.engine.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 18))]
@@ -332,23 +331,6 @@ def test_deeper_run_ahead_gives_the_same_tokens(model_dir):
         engine(model_dir, run_ahead_depth=4)
 
 
-def _out_of_step(e, requests) -> bool:
-    """Hook: add `requests` at the first launch where a lane is free for each and a rider seated then
-    would be out of step with a's tokens."""
-    ahead = e.ahead
-    if not ahead.active or ahead.launched < 2:
-        return False
-    lanes = ahead.lane_rids[: ahead.lanes.rows]
-    if sum(rid < 0 or e.scheduler.status(int(rid)) != RUNNING for rid in lanes) < len(requests):
-        return False
-    a_phase = ahead.phase[ahead.lane_of[e.requests["a"].rid]]
-    if (ahead.launched + e.num_loops) % e.num_loops == a_phase:
-        return False
-    for r in requests:
-        e.add_request(*r)
-    return True
-
-
 def _exit_launches(eng):
     """Wrap the lanes' read-back: request id -> launches (in order) at which its lane exited."""
     seen, result = {}, eng.ahead.lanes.result
@@ -364,35 +346,13 @@ def _exit_launches(eng):
     return seen
 
 
-@pytest.mark.parametrize("align", [True, False])
-def test_a_full_depth_newcomer_rides_in_step_with_the_lanes_exits(model_dir, align):
-    # b arrives at a launch out of step with a's tokens: aligned, it waits (at most loops - 1 launches)
-    # and then exits exactly when a does, so launches where no lane exits skip the lm_head.
-    # z ends after two tokens and leaves its lane free for b.
-    early = [("a", PROMPTS[0], greedy(12, threshold=1.0)), ("z", PROMPTS[2], greedy(2, threshold=1.0))]
-    b = ("b", PROMPTS[1], greedy(4, threshold=1.0))
-    want = tokens(run(engine(model_dir, run_ahead=False), [*early, b]))
-    eng = engine(model_dir, run_ahead_align=align)
-    exits = _exit_launches(eng)
-    got = tokens(run(eng, early, hook=lambda e: _out_of_step(e, [b])))
-    assert got == want
-    assert eng.ahead.runs == 1 and eng.ahead.total_riders == 1 and eng.ahead.catch_ups == 0
-    a_at, b_at = set(exits["a"]), exits["b"]
-    assert len(b_at) == 4 and b_at[-1] < max(a_at)  # b ended while a still ran
-    assert eng.ahead.exit_launches == len(a_at | set(b_at))  # the launches that ran the lm_head
-    if align:
-        assert 1 <= eng.ahead.phase_waits <= eng.num_loops - 1 and set(b_at) <= a_at
-    else:
-        assert eng.ahead.phase_waits == 0 and not set(b_at) & a_at
-
-
-def test_newcomers_with_an_early_exit_or_another_depth_do_not_wait(model_dir):
-    # Only a fixed-depth newcomer among lanes of that depth waits for its step.
-    early = [("a", PROMPTS[0], greedy(12, threshold=1.0))]
-    early += [(k, p, greedy(2, threshold=1.0)) for k, p in (("z", PROMPTS[2]), ("y", [3, 4, 5]))]
-    late = [("b", PROMPTS[1], greedy(3, threshold=0.5)), ("c", [11, 12], greedy(3, min_loops=2, max_loops=2))]
-    want = tokens(run(engine(model_dir, run_ahead=False), [*early, *late]))
+def test_exit_steps_count_the_launches_where_a_row_exited(model_dir):
+    # Full depth, started together: the lanes exit in the same launches, one in four; the others
+    # skip the lm_head. The counter equals the launches whose records show an exit.
+    reqs = [(str(i), p, greedy(6, threshold=1.0)) for i, p in enumerate(PROMPTS[:2])]
     eng = engine(model_dir)
-    got = tokens(run(eng, early, hook=lambda e: _out_of_step(e, late)))
-    assert got == want and got["c"][1] == [1, 1, 1]
-    assert eng.ahead.total_riders == 2 and eng.ahead.phase_waits == 0 and eng.ahead.catch_ups == 0
+    exits = _exit_launches(eng)
+    run(eng, reqs)
+    launches = set().union(*map(set, exits.values()))
+    assert eng.ahead.exit_launches == len(launches) >= 5
+    assert eng.ahead.total_launches >= eng.num_loops * eng.ahead.exit_launches - eng.num_loops

@@ -45,9 +45,6 @@ def test_config_from_env():
     ahead = ServerConfig.from_env(env).engine_options()
     assert (ahead["run_ahead_full_depth"], ahead["run_ahead_depth"]) == (False, 2)
     assert c.engine_options()["run_ahead_full_depth"] is True and c.engine_options()["run_ahead_depth"] == 1
-    assert c.engine_options()["run_ahead_align"] is True
-    unaligned = ServerConfig.from_env({"OURO_FAST_RUN_AHEAD_ALIGN": "0"}).engine_options()
-    assert unaligned["run_ahead_align"] is False
     assert ServerConfig.from_env({"OURO_FAST_DATAFLOW": "1"}).engine_options()["dataflow"] is True
     assert ServerConfig.from_env({"OURO_FAST_DATAFLOW": "off"}).engine_options()["dataflow"] is False
     assert ServerConfig.from_env({"OURO_FAST_DATAFLOW": "auto"}).engine_options()["dataflow"] is None

@@ -61,9 +61,6 @@ class EngineConfig:
     # Also at full depth, where it hides the host's per-step work instead of an exit read-back.
     run_ahead_full_depth: bool = True
     run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
-    # A fixed-depth newcomer rides from the launch that puts its exits with those of the lanes already
-    # running (a wait of up to depth - 1 launches), so that launches where no lane exits skip the lm_head.
-    run_ahead_align: bool = True
     # Triton runner on CUDA, bf16: one-token decode loops as one persistent launch (kernels/dataflow.py;
     # +1 copy of the layer weights). None: off while the tensor-core matmuls are on (kernels/tc_gemm.py:
     # their loop measured as fast at one token, 1.166 against 1.187 ms on the H200), else on where

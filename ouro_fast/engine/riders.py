@@ -116,33 +116,11 @@ class Seating:
         rows = self.lanes.rows + len(self.riders) + 1
         if tokens > e.runner.max_tokens or rows > e.runner.max_rows:
             return "wait" if self.riders else "no"
-        if self.align and not self._in_step(rid):
-            self.phase_waits += 1
-            return "wait"
         if not s.admit_now(rid):
             return "no"
         self._seat(rid, free[0])
         self.release.setdefault(self.launched, []).append((rid, e.by_rid[rid]))
         return "seated"
-
-    def _in_step(self, rid: int) -> bool:
-        """Would a rider seated now exit at the launches where most live lanes of its fixed depth
-        exit? (True when its depth is not fixed or no such lane runs.) Launches where no lane exits
-        skip the lm_head's weight stream: at full depth and 8 lanes, three launches in four, against
-        about one in ten when newcomers ride from whichever launch they arrive at."""
-        lo, hi, _ = self.engine.by_rid[rid].exit_window
-        if lo != hi:
-            return True
-        period = hi + 1
-        same = self._live() & (self.period == period)
-        if not same.any():
-            return True
-        target = np.bincount(self.phase[same], minlength=period).argmax()
-        return self._rider_phase(period) == target
-
-    def _rider_phase(self, period: int) -> int:
-        # A rider seated now runs its prompt's loops from the next launch, then decodes a token a period.
-        return (self.launched + self.lanes.num_loops) % period
 
     def _release_arrivals(self) -> None:
         s = self.engine.scheduler
@@ -236,8 +214,6 @@ class Seating:
         self.lanes.seat(np.array([j], np.int64), fields)
         self.lane_rids[j], self.lane_of[rid] = rid, j
         self.lane_early[j] = lo < hi
-        self.period[j] = 0 if lo < hi else hi + 1
-        self.phase[j] = self._rider_phase(hi + 1) if lo == hi else 0
         self.span[j] = self.launched, self.launched + self.lanes.num_loops - 1
         ids = np.asarray(req.prompt_ids, np.int64)
         self.riders.append(Rider(rid=rid, lane=j, ids=ids, kv=s.kv_slot(rid), first=self.launched))

@@ -48,7 +48,6 @@ class RunAhead(Seating):
         if not 1 <= self.depth < RING:
             raise ValueError(f"run_ahead_depth must be 1..{RING - 1}, got {self.depth}")
         self.lane_of = np.full(engine.scheduler_capacity, -1, np.int64)  # rid -> lane
-        self.align = engine.config.run_ahead_align  # seat fixed-depth newcomers in step with the lanes
         self.launched = 0  # launches of this run
         self.replayed = 0
         self.presched = 0  # the launch whose schedule was made before it ran (start, join): not redone
@@ -56,10 +55,6 @@ class RunAhead(Seating):
         n = self.lanes.max_lanes
         self.span = np.full((n, 2), -1, np.int64)  # per lane: first and last launch of its rider
         self.rider_off = np.zeros(n, np.int64)  # per lane: its rider's first token in the last step
-        # Per lane: loops a token takes when that is fixed (exit window of one loop), else 0, and the
-        # launches (mod that period) at which it starts a token's first loop.
-        self.period = np.zeros(n, np.int64)
-        self.phase = np.zeros(n, np.int64)
         self.handed_back = False  # the run ended with a schedule the host-driven path must execute
         self.arrivals: list[int] = []  # rids added during the run, held in the scheduler, not seated yet
         self.release: dict[int, list] = {}  # launch -> (rid, request) whose prompt row starts there
@@ -69,7 +64,6 @@ class RunAhead(Seating):
         self.total_riders = 0  # prompts that rode in lanes
         self.hand_backs = 0  # runs ended by a newcomer that could not ride
         self.catch_ups = 0  # arrivals that made the host replay every launch in flight first
-        self.phase_waits = 0  # steps an arrival was held to ride in step with the lanes' exits
         self.exit_launches = 0  # replayed launches where a row exited: those that streamed the lm_head
 
     # ---- entering -----------------------------------------------------------------------
@@ -122,11 +116,6 @@ class RunAhead(Seating):
         self.lane_of[rids] = np.arange(r)
         self.lane_early = np.zeros(self.lanes.max_lanes, bool)
         self.lane_early[:r] = s.row_exit_lo[:r] < s.row_exit_hi[:r]
-        self.period[:] = 0
-        fixed = ~self.lane_early[:r]
-        self.period[:r][fixed] = s.row_exit_hi[:r][fixed] + 1
-        # Launch 0 runs loop row_loop: the lane starts a token at launches -row_loop (mod its period).
-        self.phase[:r][fixed] = -s.row_loop[:r][fixed] % self.period[:r][fixed]
         slots = np.unique(s.row_kv_slot[:r]).astype(np.int64)
         self.riders, self.span[:] = [], -1
         self.lanes.start(lanes, hsrc, slots, e.bt.tables)

@@ -43,7 +43,6 @@ class ServerConfig:
     run_ahead: bool = True  # triton runner: decode-only batches launch before their exits are read
     run_ahead_full_depth: bool = True  # ... also when no row can exit early (hides host work per step)
     run_ahead_depth: int = 1  # launches queued ahead of the one the host reads back (1..3)
-    run_ahead_align: bool = True  # fixed-depth newcomers ride in step with the lanes' exits
     dataflow: bool | None = None  # one-token decode loops in one launch; None (auto): where supported
     api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
     max_body_bytes: int = 8 << 20
@@ -76,7 +75,7 @@ class ServerConfig:
             "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
             "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
             "cuda_graphs", "refill", "run_ahead", "run_ahead_full_depth",
-            "run_ahead_depth", "run_ahead_align", "dataflow",
+            "run_ahead_depth", "dataflow",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
