@@ -7,7 +7,9 @@ asks which cheap change picks better kernels, per (shape, M), each timed as gemm
 calls in one CUDA graph, cycling weight copies past L2, median of replays):
 - `linear`: F.linear(x, w) as the runner calls it, with torch's preferred BLAS library (--blas);
 - `pad<P>`: x padded to P rows (a multiple of 16 or 64), the padding's outputs dropped;
-- `nn`: x @ wt with a pre-transposed contiguous weight (the other operand layout).
+- `nn`: x @ wt with a pre-transposed contiguous weight (the other operand layout);
+- `splitk<S>` (o_proj and down, whose outputs the norms take as fp32 partial products): one batched
+  matmul over S slices of K, fp32 out (torch.bmm(out_dtype=float32)), the [S, M, N] partials unsummed.
 Each result is checked against an fp32 reference (bf16 tolerance) before it is timed.
 
 Run on the GPU machine from the repo root: python -m bench.gpu.rider_gemm_bench [--blas cublaslt]
@@ -32,9 +34,10 @@ from bench.benchlib import start_run, write_result
 from bench.gpu.gemm_bench import HBM_TBPS, SHAPES, close_to, graph_us, weight_copies
 
 
-def variants(m: int, pads: list[int]) -> list[str]:
-    """The variants timed at M rows: pads strictly above M only."""
-    return ["linear", "nn", *(f"pad{p}" for p in pads if p > m)]
+def variants(shape: str, m: int, pads: list[int], splits: list[int]) -> list[str]:
+    """The variants timed at M rows: pads strictly above M only, K splits where partials are taken."""
+    split = [f"splitk{s}" for s in splits] if shape in ("o_proj", "down") else []
+    return ["linear", "nn", *(f"pad{p}" for p in pads if p > m), *split]
 
 
 def run_variant(name: str, x: torch.Tensor, ws: torch.Tensor, wts: torch.Tensor | None, args) -> dict:
@@ -45,6 +48,13 @@ def run_variant(name: str, x: torch.Tensor, ws: torch.Tensor, wts: torch.Tensor 
 
         def call(i):
             return F.linear(xp, ws[i % ws.shape[0]])[:m]
+    elif name.startswith("splitk"):
+        s = int(name[6:])
+        n, k = ws.shape[1:]
+        xs = x.view(m, s, k // s).transpose(0, 1)
+
+        def call(i):
+            return torch.bmm(xs, ws[i % ws.shape[0]].view(n, s, k // s).permute(1, 2, 0), out_dtype=torch.float32)
     elif name == "nn":
 
         def call(i):
@@ -55,7 +65,8 @@ def run_variant(name: str, x: torch.Tensor, ws: torch.Tensor, wts: torch.Tensor 
             return F.linear(x, ws[i % ws.shape[0]])
 
     ref = x.float() @ ws[0].float().t()
-    ok, err = close_to(call(0), ref)
+    got = call(0)
+    ok, err = close_to(got.sum(0) if got.dim() == 3 else got, ref)
     if not ok:
         return {"ok": False, "err": err}
     med, best, graph = graph_us([lambda i=i: call(i) for i in range(args.calls)], args.replays)
@@ -67,6 +78,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", type=int, nargs="+", default=[129, 136, 144, 200, 264])
     p.add_argument("--pads", type=int, nargs="+", default=[144, 192, 256])
+    p.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--blas", default="default", choices=["default", "cublas", "cublaslt"])
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--replays", type=int, default=15)
@@ -84,7 +96,7 @@ def main() -> None:
         floor_us = n * k * 2 / (HBM_TBPS * 1e12) * 1e6
         for m in args.ms:
             x = (torch.randn(m, k, device="cuda") * 0.5).to(torch.bfloat16)
-            for v in variants(m, args.pads):
+            for v in variants(shape, m, args.pads, args.splits):
                 r = run_variant(v, x, ws, wts, args)
                 r.update(shape=shape, n=n, k=k, m=m, variant=v, blas=args.blas, workspace_kib=ws_env)
                 rows.append(r)
