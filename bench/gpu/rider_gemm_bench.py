@@ -54,7 +54,8 @@ def run_variant(name: str, x: torch.Tensor, ws: torch.Tensor, wts: torch.Tensor 
         xs = x.view(m, s, k // s).transpose(0, 1)
 
         def call(i):
-            return torch.bmm(xs, ws[i % ws.shape[0]].view(n, s, k // s).permute(1, 2, 0), out_dtype=torch.float32)
+            w_s = ws[i % ws.shape[0]].view(n, s, k // s).permute(1, 2, 0)  # [S, K/S, N], no copy
+            return torch.bmm(xs, w_s, out_dtype=torch.float32)
     elif name == "nn":
 
         def call(i):
