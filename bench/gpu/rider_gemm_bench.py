@@ -40,6 +40,12 @@ def variants(shape: str, m: int, pads: list[int], splits: list[int]) -> list[str
     return ["linear", "nn", *(f"pad{p}" for p in pads if p > m), *split]
 
 
+def split_views(x: torch.Tensor, w: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K], w [N, K] -> views [S, M, K/S], [S, K/S, N] (no copy) whose bmm sums over S to x @ w.T."""
+    (m, k), n = x.shape, w.shape[0]
+    return x.view(m, s, k // s).transpose(0, 1), w.view(n, s, k // s).permute(1, 2, 0)
+
+
 def run_variant(name: str, x: torch.Tensor, ws: torch.Tensor, wts: torch.Tensor | None, args) -> dict:
     m = x.shape[0]
     if name.startswith("pad"):
@@ -50,12 +56,9 @@ def run_variant(name: str, x: torch.Tensor, ws: torch.Tensor, wts: torch.Tensor 
             return F.linear(xp, ws[i % ws.shape[0]])[:m]
     elif name.startswith("splitk"):
         s = int(name[6:])
-        n, k = ws.shape[1:]
-        xs = x.view(m, s, k // s).transpose(0, 1)
 
         def call(i):
-            w_s = ws[i % ws.shape[0]].view(n, s, k // s).permute(1, 2, 0)  # [S, K/S, N], no copy
-            return torch.bmm(xs, w_s, out_dtype=torch.float32)
+            return torch.bmm(*split_views(x, ws[i % ws.shape[0]], s), out_dtype=torch.float32)
     elif name == "nn":
 
         def call(i):
