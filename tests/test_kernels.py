@@ -133,6 +133,20 @@ def test_paged_attention_matches_reference(rows, hq, hkv, d, block_size, dtype, 
     assert torch.equal(out[~covered.to(DEV)], sentinel[~covered.to(DEV)])
 
 
+@pytest.mark.parametrize("block_q, block_n", [(32, 16), (64, 32)])
+def test_paged_attention_with_a_given_config_matches_reference(block_q, block_n):
+    # The config override (benchmarks) tiles differently and must give the same attention.
+    rows = LONG_ROWS
+    bt, (tables, q_start, lens, tok_off), n = paged_case(rows, 8)
+    q = randn(n, 4, 16, seed=6)
+    kc, vc = randn(bt.num_blocks * 8, 4, 16, seed=7), randn(bt.num_blocks * 8, 4, 16, seed=8)
+    cfg = {"BLOCK_Q": block_q, "BLOCK_N": block_n, "USE_DOT": True, "num_warps": 4, "num_stages": 2}
+    out = paged_attention(q, kc, vc, tables, q_start, lens, tok_off, 8, 64, config=cfg)
+    for r, expect in reference_attention(bt, rows, tok_off.tolist(), q, kc, vc).items():
+        o = tok_off[r].item()
+        torch.testing.assert_close(out[o : o + rows[r][3]], expect, **TOL[torch.float32])
+
+
 def test_paged_attention_reads_cache_through_kv_strides():
     # One layer of a [2, L, slots, Hkv, D] cache is a strided view: the kernel must honour it.
     rows = MIXED_ROWS[:4]

@@ -177,6 +177,7 @@ def paged_attention(
     max_q_len: int,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of each row's query tokens over its own paged K/V; returns out [N, Hq, D].
 
@@ -193,6 +194,8 @@ def paged_attention(
     CUDA graph. Rows longer than it are computed only up to it.
     scale defaults to 1/sqrt(D). Output rows not covered by any row are left untouched.
     Softmax and both products accumulate in fp32; with fp32 inputs tl.dot runs in IEEE fp32.
+    config: attention_config's dict (BLOCK_Q, BLOCK_N, USE_DOT, num_warps, optionally num_stages)
+    instead of the default for these bounds (benchmarks).
     """
     n, hq, d, hkv, r = check_paged_inputs(
         q, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off
@@ -205,7 +208,7 @@ def paged_attention(
     if r == 0 or n == 0:
         return out
     group = hq // hkv
-    cfg = attention_config(max_q_len, group, d)
+    cfg = attention_config(max_q_len, group, d) if config is None else config
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     # At most cdiv(len, BLOCK_Q) tiles a row, which sum to at most N / BLOCK_Q + (rows with tokens).
     tiles = min(r * triton.cdiv(max_q_len, cfg["BLOCK_Q"]), triton.cdiv(n, cfg["BLOCK_Q"]) + min(r, n))
