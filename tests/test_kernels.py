@@ -167,6 +167,7 @@ def test_attention_config_depends_only_on_bounds():
     # About 8 query tiles for the longest row, tl.dot's M (tokens x group heads) within 16..64.
     assert [attention_config(q, 1, 128)["BLOCK_Q"] for q in (64, 128, 256, 512, 2048)] == [16, 16, 32, 64, 64]
     assert [attention_config(q, 4, 128)["BLOCK_Q"] for q in (16, 128, 512)] == [4, 16, 16]
+    assert {attention_config(q, 1, 128)["num_warps"] for q in (16, 128, 512)} == {4}  # faster than 8 (H200)
 
 
 # ---- RoPE + K/V write ----
