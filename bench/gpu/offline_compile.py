@@ -10,6 +10,9 @@ triton (3.6 there; later versions renamed Gluon's TMA calls) in a venv of its ow
 
 For each shape it prints the CTAs, ring slots, shared memory and ptxas's registers and spills. Measured use:
 the twenty-third session compiled its two Gluon kernels here first (docs/benchmarks.md).
+
+With --paged BQ:BN:WARPS ... it compiles the prompt steps' paged attention (`kernels/attention.py`, bf16,
+Ouro-1.4B's 16 heads of 128, block size 16) at those tiles instead: shared memory, registers and spills.
 """
 
 from __future__ import annotations
@@ -108,9 +111,30 @@ def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool) -> di
             **ptxas_usage(kernel.asm["ptx"])}  # fmt: skip
 
 
+def compile_paged_attention(block_q: int, block_n: int, warps: int) -> dict:
+    """The prompt steps' paged attention at one tile config, as paged_attention launches it (bf16, MHA)."""
+    from ouro_fast.kernels import attention
+
+    q = torch.empty(144, 16, 128, dtype=torch.bfloat16)
+    kc = torch.empty(4096, 16, 128, dtype=torch.bfloat16)
+    bt, meta = torch.empty(9, 64, dtype=torch.int32), torch.empty(9, dtype=torch.int32)
+    strides = (*q.stride()[:2], *q.stride()[:2], *kc.stride()[:2], *kc.stride()[:2], bt.stride(0))
+    kernel = attention._paged_attention_kernel.warmup(
+        q, q, kc, kc, bt, meta, meta, meta, 0.1, *strides, 9, 128,
+        GROUP=1, GROUP_P2=1, HEAD_DIM=128, D_P2=128, PAGE=16, BLOCK_Q=block_q, BLOCK_N=block_n, USE_DOT=True,
+        DOT_PRECISION="tf32", DOT_UPCAST=False, R_P2=16, INTERPRETED=False, num_warps=warps, grid=(1,),
+    )  # fmt: skip
+    return {"block_q": block_q, "block_n": block_n, "warps": warps, "smem": kernel.metadata.shared,
+            **ptxas_usage(kernel.asm["ptx"])}  # fmt: skip
+
+
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree: no install in this venv
     install()
+    if "--paged" in sys.argv:
+        for tiles in sys.argv[sys.argv.index("--paged") + 1 :]:
+            print(compile_paged_attention(*(int(v) for v in tiles.split(":"))), flush=True)
+        return 0
     shapes = [
         (6144, 2048, False, True),
         (2048, 2048, False, True),

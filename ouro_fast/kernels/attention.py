@@ -148,10 +148,10 @@ def attention_config(max_q_len: int, group: int, head_dim: int) -> dict:
 
     Small M (decode with few query heads per KV head) reduces on CUDA cores; otherwise
     tl.dot with M = tokens x group heads padded to at least 16, as tensor cores need.
-    Sizes were chosen so that ptxas (sm_90) reports no register spills at head_dim 128 with 8 warps;
-    4 warps measured faster on the H200 with the same bits out (a 128-token prompt with 1 / 8 decode
-    rows 8.45 / 10.89 against 8.82 / 11.98 us, 512 tokens 18.47 against 21.95; docs/benchmarks.md,
-    twenty-fifth session); their spills were not checked.
+    4 warps measured faster on the H200 than 8, with the same bits out (a 128-token prompt with 1 / 8
+    decode rows 8.45 / 10.89 against 8.82 / 11.98 us, 512 tokens 18.47 against 21.95; docs/benchmarks.md,
+    twenty-fifth session); ptxas (sm_90, triton 3.6) reports no spills at head_dim 128: 121 / 231
+    registers at BLOCK_Q 16 / 64 (`bench/gpu/offline_compile.py --paged`).
     """
     group_p2, d_p2 = next_pow2(group), next_pow2(head_dim)
     q_p2 = next_pow2(max_q_len)
