@@ -9,7 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+if not torch.cuda.is_available():
+    # Before triton is imported, as the kernel tests set it: collected first, this module would otherwise
+    # leave the kernels compiled-only for every later test on a CPU machine. Its compiles run in subprocesses.
+    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
 ROOT = Path(__file__).resolve().parents[1]
