@@ -74,6 +74,18 @@ def test_ring_fits_the_budget_and_keeps_two_slots():
     assert tc_gemm.ring_slots(256, 16, True, most=4, budget=10_000) == 2
 
 
+def test_swiglu_epilogue_buffer_is_counted_and_two_gate_up_ctas_still_fit_a_sm():
+    # gate_up with swiglu_out keeps its 176 CTAs two a SM: the group's [64, NTOK] buffer fits the budget.
+    for ntok in (8, 16):
+        nbuf = tc_gemm.ring_slots(256, ntok, False, 4, tc_gemm.WHOLE_SMEM, swiglu=True)
+        used = nbuf * (64 * 256 + ntok * 256) * 2 + 64 * ntok * 2 + 1024
+        assert nbuf >= 2 and used <= tc_gemm.WHOLE_SMEM
+    for budget in range(60 * 1024, 200 * 1024, 4096):  # the buffer comes out of the ring's share
+        with_buf = tc_gemm.ring_slots(256, 8, False, 8, budget, swiglu=True)
+        assert with_buf <= tc_gemm.ring_slots(256, 8, False, 8, budget)
+        assert with_buf == tc_gemm.ring_slots(256, 8, False, 8, budget - 64 * 8 * 2)
+
+
 def test_not_supported_off_hopper_or_for_odd_shapes():
     x, w = torch.zeros(1, 2048, dtype=torch.bfloat16), torch.zeros(2048, 2048, dtype=torch.bfloat16)
     if not HOPPER:
@@ -86,6 +98,40 @@ def test_not_supported_off_hopper_or_for_odd_shapes():
         assert not tc_gemm.supported(
             torch.zeros(1, 2048, device="cuda"), torch.zeros(2048, 2048, device="cuda")
         )
+
+
+@needs_hopper
+@pytest.mark.parametrize("n, k", [(11264, 2048), (1536, 512)])  # Ouro-1.4B's gate_up; groups split over CTAs
+@pytest.mark.parametrize("m", [1, 5, 8, 16])
+def test_swiglu_out_is_silu_and_mul_of_the_product_bit_for_bit(n, k, m):
+    gen = torch.Generator(device="cuda").manual_seed(n + m)
+    w = (0.02 * torch.randn(n, k, device="cuda", generator=gen)).to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    assert tc_gemm.supported(x, w, swiglu_out=True)
+    gu = tc_gemm.tc_linear(x, w)  # [gate; up] in bf16, as the down projection's SILU_MUL reads it
+    f = n // 2
+    want = (F.silu(gu[:, :f].float()).to(gu.dtype).float() * gu[:, f:].float()).to(gu.dtype)
+    got = tc_gemm.tc_linear(x, w, swiglu_out=True)
+    assert got.shape == (m, f) and torch.equal(got, want)
+    assert torch.equal(tc_gemm.tc_linear(x[:1].contiguous(), w, swiglu_out=True), got[:1])
+
+
+@needs_hopper
+def test_mlp_partial_is_the_silu_mul_path_bit_for_bit(monkeypatch):
+    from types import SimpleNamespace
+
+    from ouro_fast.model import fast_loop
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rnd = lambda *s: (0.02 * torch.randn(*s, device="cuda", generator=gen)).to(torch.bfloat16)  # noqa: E731
+    mlp = SimpleNamespace(gate_up_weight=rnd(11264, 2048), down_proj=SimpleNamespace(weight=rnd(2048, 5632)))
+    for m in (1, 8):
+        x = torch.randn(m, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+        fused = fast_loop.mlp_partial(x, mlp)
+        monkeypatch.setattr(tc_gemm, "SWIGLU_OUT", False)
+        plain = fast_loop.mlp_partial(x, mlp)
+        monkeypatch.setattr(tc_gemm, "SWIGLU_OUT", True)
+        assert torch.equal(fused.sum(0), plain.sum(0)) and fused.shape[1:] == plain.shape[1:]
 
 
 def reference(x, w, silu_mul):

@@ -82,7 +82,7 @@ def ptxas_usage(ptx: str) -> dict:
     }
 
 
-def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool) -> dict:
+def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, swiglu: bool = False) -> dict:
     """tc_gemm's kernel at one shape, as tc_linear would launch it on a 132-SM H200."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -97,18 +97,20 @@ def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool) -> di
     w = torch.empty(n, k, dtype=torch.bfloat16)
     x = torch.empty(m, 2 * k if silu_mul else k, dtype=torch.bfloat16)
     layout = gl.NVMMASharedLayout.get_default_for
-    w_desc = TensorDescriptor.from_tensor(w, [t.TR, tc], layout([t.TR, tc], gl.bfloat16))
+    wrows = t.HALF if swiglu else t.TR
+    w_desc = TensorDescriptor.from_tensor(w, [wrows, tc], layout([wrows, tc], gl.bfloat16))
     x_desc = TensorDescriptor.from_tensor(x, [ntok, tc], layout([ntok, tc], gl.bfloat16))
     out = torch.empty(max(slots, 1), m, n)
     cnt = torch.empty(16, dtype=torch.int32)
-    ring = t.ring_slots(tc, ntok, silu_mul, nbuf, budget)
+    ring = t.ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu)
     kernel = t._tc_gemm_kernel.warmup(
-        w_desc, x_desc, out, out, cnt, cnt, m, n, tiles, ctas, kt, slots, k,
-        NBUF=ring, SILU_MUL=silu_mul, PARTS=partial, STAMP=False, PRE=t.PREFETCH, num_warps=4,
+        w_desc, x_desc, out, out, cnt, cnt, m, n // 2 if swiglu else n, tiles, ctas, kt, slots,
+        n // 2 if swiglu else k, NBUF=ring, SILU_MUL=silu_mul, PARTS=partial, STAMP=False, PRE=t.PREFETCH,
+        SWIGLU=swiglu, num_warps=4,
         maxnreg=t.MAXNREG[ntok], launch_pdl=True, grid=(ctas,),
     )  # fmt: skip
-    return {"n": n, "k": k, "m": m, "ctas": ctas, "ring": ring, "smem": kernel.metadata.shared,
-            **ptxas_usage(kernel.asm["ptx"])}  # fmt: skip
+    return {"n": n, "k": k, "m": m, "swiglu": swiglu, "ctas": ctas, "ring": ring,
+            "smem": kernel.metadata.shared, **ptxas_usage(kernel.asm["ptx"])}  # fmt: skip
 
 
 def compile_paged_attention(block_q: int, block_n: int, warps: int) -> dict:
@@ -136,14 +138,16 @@ def main() -> int:
             print(compile_paged_attention(*(int(v) for v in tiles.split(":"))), flush=True)
         return 0
     shapes = [
-        (6144, 2048, False, True),
-        (2048, 2048, False, True),
-        (11264, 2048, False, False),
-        (2048, 5632, True, True),
-    ]  # qkv, o_proj, gate_up, down (silu_mul, partial)
-    for n, k, silu, partial in shapes:
+        (6144, 2048, False, True, False),
+        (2048, 2048, False, True, False),
+        (11264, 2048, False, False, False),
+        (11264, 2048, False, False, True),
+        (2048, 5632, True, True, False),
+        (2048, 5632, False, True, False),
+    ]  # qkv, o_proj, gate_up (plain, swiglu_out), down (silu_mul, plain), as (silu_mul, partial, swiglu)
+    for n, k, silu, partial, swiglu in shapes:
         for m in (1, 16):
-            print(compile_tc_gemm(n, k, m, silu, partial), flush=True)
+            print(compile_tc_gemm(n, k, m, silu, partial, swiglu), flush=True)
     return 0
 
 

@@ -18,7 +18,11 @@ drains the weight stream at its end (docs/benchmarks.md, fifth to seventh sessio
   sessions). Either way results do not depend on scheduling, and each row's result does not depend on the
   others; the slot sum equals the in-kernel sum bit for bit (same order, from zero).
 With SILU_MUL, x is a fused gate/up output [M, 2F] and the matmul's input is silu(x[:, :F]) * x[:, F:],
-rounded as silu_and_mul rounds it (the down projection).
+rounded as silu_and_mul rounds it (the down projection). With SWIGLU (gate_up, swiglu_out), w is the fused
+[gate; up] weight [2F, K] and the output is silu_and_mul of the product, [M, F]: a tile's 64 rows are gate's
+32 rows of a feature block and up's 32 of the same (two TMA loads), and the group's finisher rounds both to
+the product's dtype and stores silu(gate) * up as silu_and_mul rounds it, bit for bit what down's SILU_MUL
+prologue computes. down then reads a plain input: its SiLU prologue cost ~21 us a loop (twenty-sixth session).
 
 Gluon has no interpreter: on the CPU only the partition helpers are tested; the kernel is tested against
 F.linear, and inside the engine, on a Hopper GPU (tests/test_tc_gemm.py). Measured: docs/benchmarks.md,
@@ -50,6 +54,7 @@ try:  # Gluon ships with triton >= 3.4; the CPU build of the package never calls
 
     HAVE_GLUON = True
     _TR = gl.constexpr(64)  # TR inside the kernels
+    _HALF = gl.constexpr(32)  # HALF inside the kernels
     EARLY_LAUNCH = gl.constexpr(PDL_EARLY)  # pdl.EARLY inside the kernels
 except ImportError:  # pragma: no cover - an old triton
     HAVE_GLUON = False
@@ -77,6 +82,9 @@ PREFETCH = int(os.environ.get("OURO_FAST_TC_PREFETCH", "64"))
 # at 1 / 8 rows against 1.072 / 1.172; docs/benchmarks.md, seventeenth session). OURO_FAST_TC_WHOLE=0: off.
 WHOLE = os.environ.get("OURO_FAST_TC_WHOLE", "1") != "0"
 WHOLE_SMEM = 113 * 1024  # two CTAs a SM
+# gate_up hands down silu(gate) * up (swiglu_out), not its [gate; up] product. OURO_FAST_TC_SWIGLU=0: off.
+SWIGLU_OUT = os.environ.get("OURO_FAST_TC_SWIGLU", "1") != "0"
+HALF = TR // 2  # a SWIGLU tile's gate (and up) rows
 # Registers a thread may take, for 8- and 16-wide token tiles ("A:B", or one value for both). Fewer at 8
 # leave room on a SM for the attention's and norms' CTAs beside the matmul's: a loop at 4 / 8 rows took
 # 0.991 / 1.038 ms with 112 against 1.054 / 1.078 with 128 (H200, context 160; nineteenth session).
@@ -95,10 +103,12 @@ def contributors(group: int, kt: int, tiles: int, ctas: int) -> tuple[int, int]:
     return first, owner(group * kt + kt - 1, tiles, ctas) - first + 1
 
 
-def ring_slots(tc: int, ntok: int, silu_mul: bool, most: int, budget: int = SMEM_BUDGET) -> int:
+def ring_slots(tc: int, ntok: int, silu_mul: bool, most: int, budget: int = SMEM_BUDGET,
+               swiglu: bool = False) -> int:  # fmt: skip
     """Ring slots (weight tile + activation chunks each) within the shared-memory budget, 2 at least."""
     nx = 2 if silu_mul else 1
     fixed = ntok * tc * 2 if silu_mul else 0  # the SiLU product's buffer
+    fixed += TR * ntok * 2 if swiglu else 0  # the group's gate/up rows, for the SwiGLU epilogue
     return max(2, min(most, (budget - fixed - 1024) // (TR * tc * 2 + nx * ntok * tc * 2)))
 
 
@@ -133,8 +143,11 @@ def slots_for(n: int, k: int, tc: int, ctas: int) -> int:
     return max(contributors(g, kt, tiles, ctas)[1] for g in range(n // TR))
 
 
-def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> bool:
-    """True when tc_linear takes this call: CUDA, Hopper, bf16, 1-16 rows, shapes that tile evenly."""
+def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, swiglu_out: bool = False) -> bool:
+    """True when tc_linear takes this call: CUDA, Hopper, bf16, 1-16 rows, shapes that tile evenly
+    (with swiglu_out, w's gate and up halves in blocks of 32 rows)."""
+    if swiglu_out and (silu_mul or not SWIGLU_OUT or w.shape[0] % (2 * HALF)):
+        return False
     if not (ENABLED and HAVE_GLUON and pdl_enabled(x.device)):  # pdl_enabled: CUDA, sm >= 90, compiled
         return False
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= 16:
@@ -186,8 +199,10 @@ if HAVE_GLUON:
         return lo, ((c + 1) * T) // G - lo
 
     @gluon.jit
-    def _wloader(w_desc, ring, wready, empty, go, T, G, KT, NBUF: gl.constexpr, PRE: gl.constexpr):
+    def _wloader(w_desc, ring, wready, empty, go, T, G, KT, F, NBUF: gl.constexpr, PRE: gl.constexpr,
+                 SWIGLU: gl.constexpr):  # fmt: skip
         # One warp: the weight tiles, as far ahead as the ring allows; the first PRE before the PDL wait.
+        # SWIGLU: a tile is gate's rows [32 g, 32 g + 32) over up's (rows F + those), two loads.
         TC: gl.constexpr = w_desc.block_type.shape[1]
         lo, n = _range(T, G)
         for i in range(n):
@@ -196,9 +211,17 @@ if HAVE_GLUON:
             slot = i % NBUF
             mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
             t = lo + i
-            mbarrier.expect(wready.index(slot), w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [(t // KT) * _TR, (t % KT) * TC], wready.index(slot),
-                                            ring.index(slot))  # fmt: skip
+            if SWIGLU:
+                row = (t // KT) * _HALF
+                mbarrier.expect(wready.index(slot), 2 * w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [row, (t % KT) * TC], wready.index(slot),
+                                                ring.index(slot).slice(0, _HALF))  # fmt: skip
+                tma.async_copy_global_to_shared(w_desc, [F + row, (t % KT) * TC], wready.index(slot),
+                                                ring.index(slot).slice(_HALF, _HALF))  # fmt: skip
+            else:
+                mbarrier.expect(wready.index(slot), w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [(t // KT) * _TR, (t % KT) * TC], wready.index(slot),
+                                                ring.index(slot))  # fmt: skip
 
     @gluon.jit
     def _xloader(x_desc, ts_ptr, xring, xready, empty, go, T, G, KT, F, NBUF: gl.constexpr,
@@ -229,18 +252,42 @@ if HAVE_GLUON:
         return ((t + 1) * G - 1) // T
 
     @gluon.jit
-    def _finish(acc, out_ptr, part_ptr, cnt_ptr, g, M, stride_out, T, G, KT, ACC: gl.constexpr,
-                NTOK: gl.constexpr):  # fmt: skip
+    def _store_group(total, out_ptr, es, g, M, stride_out, ACC: gl.constexpr, NTOK: gl.constexpr,
+                     SWIGLU: gl.constexpr):  # fmt: skip
+        # Row group g's sums [64, NTOK] into out (out[n, g * 64 + r]), or with SWIGLU its gate rows (0-31)
+        # and up rows (32-63), rounded as gate_up's output is, as silu_and_mul's product (out[n, g * 32 + r]).
+        if SWIGLU:
+            es.store(total.to(es.dtype))  # es has x's dtype, the product's
+            gl.thread_barrier()
+            EL: gl.constexpr = gl.BlockedLayout([1, 1], [32 // NTOK, NTOK], [4, 1], [1, 0])
+            gate = es.slice(0, _HALF).load(EL).to(gl.float32)
+            up = es.slice(_HALF, _HALF).load(EL).to(gl.float32)
+            act = (gate / (1.0 + gl.exp(-gate))).to(es.dtype).to(gl.float32)
+            r = gl.arange(0, _HALF, layout=gl.SliceLayout(1, EL))
+            n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, EL))
+            out = out_ptr + n[None, :] * stride_out + (g * _HALF + r)[:, None]
+            gl.store(out, (act * up).to(es.dtype).to(out_ptr.dtype.element_ty),
+                     mask=(n[None, :] < M) & (r[:, None] < _HALF))  # fmt: skip
+            gl.thread_barrier()  # es is free for the next group
+        else:
+            offs_r = gl.arange(0, _TR, layout=gl.SliceLayout(1, ACC))
+            offs_n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, ACC))
+            out = out_ptr + offs_n[None, :] * stride_out + (g * _TR + offs_r)[:, None]
+            gl.store(
+                out, total.to(out_ptr.dtype.element_ty), mask=(offs_n[None, :] < M) & (offs_r[:, None] < _TR)
+            )
+
+    @gluon.jit
+    def _finish(acc, out_ptr, part_ptr, cnt_ptr, es, g, M, stride_out, T, G, KT, ACC: gl.constexpr,
+                NTOK: gl.constexpr, SWIGLU: gl.constexpr):  # fmt: skip
         # Row group g's sums from this CTA: stored if the group is whole here, else handed to the last
         # contributor to arrive, which adds every contributor's partial in CTA order and stores the sum.
         offs_r = gl.arange(0, _TR, layout=gl.SliceLayout(1, ACC))
         offs_n = gl.arange(0, NTOK, layout=gl.SliceLayout(0, ACC))
-        out = out_ptr + offs_n[None, :] * stride_out + (g * _TR + offs_r)[:, None]
-        mask = (offs_n[None, :] < M) & (offs_r[:, None] < _TR)
         first = _owner(g * KT, T, G)
         count = _owner(g * KT + KT - 1, T, G) - first + 1
         if count == 1:
-            gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            _store_group(acc, out_ptr, es, g, M, stride_out, ACC, NTOK, SWIGLU)
         else:
             tile = offs_r[:, None] * NTOK + offs_n[None, :]
             gl.store(part_ptr + (g * KT + gl.program_id(0) - first) * (_TR * NTOK) + tile, acc)
@@ -251,7 +298,7 @@ if HAVE_GLUON:
                 total = gl.zeros([_TR, NTOK], gl.float32, ACC)
                 for s in range(count):
                     total += gl.load(part_ptr + (g * KT + s) * (_TR * NTOK) + tile, cache_modifier=".cg")
-                gl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+                _store_group(total, out_ptr, es, g, M, stride_out, ACC, NTOK, SWIGLU)
                 gl.atomic_xchg(cnt_ptr + g, 0, sem="relaxed")  # ready for the next call
 
     @gluon.jit
@@ -271,9 +318,10 @@ if HAVE_GLUON:
                 gl.store(out + s * M * stride_out, gl.zeros_like(acc), mask=mask)
 
     @gluon.jit
-    def _consumer(out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M, stride_out,
-                  T, G, KT, S, NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr,
-                  SILU_MUL: gl.constexpr, PARTS: gl.constexpr, STAMP: gl.constexpr):  # fmt: skip
+    def _consumer(out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, es, wready, xready, empty, M,
+                  stride_out, T, G, KT, S, NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr,
+                  SILU_MUL: gl.constexpr, PARTS: gl.constexpr, STAMP: gl.constexpr,
+                  SWIGLU: gl.constexpr):  # fmt: skip
         # One warpgroup: a wgmma per tile; a group's sums are finished when its last tile in the range is.
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, NTOK, 16])  # fmt: skip
@@ -308,13 +356,15 @@ if HAVE_GLUON:
                 if PARTS:
                     _store_slot(acc, out_ptr, g, M, stride_out, T, G, KT, S, ACC, NTOK)
                 else:
-                    _finish(acc, out_ptr, part_ptr, cnt_ptr, g, M, stride_out, T, G, KT, ACC, NTOK)
+                    _finish(
+                        acc, out_ptr, part_ptr, cnt_ptr, es, g, M, stride_out, T, G, KT, ACC, NTOK, SWIGLU
+                    )
         _stamp(ts_ptr, 3, STAMP)
 
     @gluon.jit
     def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, ts_ptr, M, stride_out, T, G, KT, S, F,
                         NBUF: gl.constexpr, SILU_MUL: gl.constexpr, PARTS: gl.constexpr,
-                        STAMP: gl.constexpr, PRE: gl.constexpr):  # fmt: skip
+                        STAMP: gl.constexpr, PRE: gl.constexpr, SWIGLU: gl.constexpr = False):  # fmt: skip
         TC: gl.constexpr = w_desc.block_type.shape[1]
         NTOK: gl.constexpr = x_desc.block_type.shape[0]
         NX: gl.constexpr = 2 if SILU_MUL else 1
@@ -323,6 +373,9 @@ if HAVE_GLUON:
         xs = gl.allocate_shared_memory(
             x_desc.dtype, [NTOK if SILU_MUL else 1, TC], x_desc.layout
         )  # SiLU product
+        es = gl.allocate_shared_memory(
+            x_desc.dtype, [_TR if SWIGLU else 1, NTOK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        )  # a SWIGLU group's gate and up rows
         wready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         xready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -333,9 +386,9 @@ if HAVE_GLUON:
             mbarrier.init(xready.index(k), count=1)
             mbarrier.init(empty.index(k), count=1)
         gl.warp_specialize([
-            (_consumer, (out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, wready, xready, empty, M,
-                         stride_out, T, G, KT, S, NBUF, NTOK, TC, SILU_MUL, PARTS, STAMP)),
-            (_wloader, (w_desc, ring, wready, empty, go, T, G, KT, NBUF, PRE)),
+            (_consumer, (out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, es, wready, xready, empty, M,
+                         stride_out, T, G, KT, S, NBUF, NTOK, TC, SILU_MUL, PARTS, STAMP, SWIGLU)),
+            (_wloader, (w_desc, ring, wready, empty, go, T, G, KT, F, NBUF, PRE, SWIGLU)),
             (_xloader, (x_desc, ts_ptr, xring, xready, empty, go, T, G, KT, F, NBUF, SILU_MUL, STAMP)),
         ], [1, 1], [40, 40])  # fmt: skip
 
@@ -366,13 +419,17 @@ _WORKSPACE = _Workspace()
 
 
 def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bool = False,
-              stamps: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+              stamps: torch.Tensor | None = None, swiglu_out: bool = False) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (M <= 16); with silu_mul, x is [M, 2K] (gate then up).
+
+    swiglu_out: w is [gate; up] and the result silu_and_mul(x @ w.T), [M, N / 2] (not with partial).
 
     partial: return fp32 partial products [S, M, N] instead (S = slots_for the shape), whose sum in slot
     order is the product (for the consumer to add: no sums between CTAs in the kernel).
     stamps: int64 [CTAs, 4] that receives each CTA's global-timer stamps (start, PDL wait over, first
-    tile multiplied, done), for the benchmark's timeline. Call only where supported(x, w, silu_mul)."""
+    tile multiplied, done), for the benchmark's timeline.
+    Call only where supported(x, w, silu_mul, swiglu_out)."""
+    assert not (swiglu_out and (partial or silu_mul))
     tc, nbuf, per_sm, smem = role_config(silu_mul)
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     ntok = 8 if m <= 8 else 16
@@ -383,16 +440,19 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     if partial:
         out = torch.empty(slots, m, n, device=x.device, dtype=torch.float32)
     else:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    wl = gl.NVMMASharedLayout.get_default_for([TR, tc], gl.bfloat16)
+        out = torch.empty(m, n // 2 if swiglu_out else n, device=x.device, dtype=x.dtype)
+    wrows = HALF if swiglu_out else TR  # a SWIGLU tile is two loads: gate's rows and up's
+    wl = gl.NVMMASharedLayout.get_default_for([wrows, tc], gl.bfloat16)
     xl = gl.NVMMASharedLayout.get_default_for([ntok, tc], gl.bfloat16)
-    w_desc = TensorDescriptor.from_tensor(w, [TR, tc], wl)
+    w_desc = TensorDescriptor.from_tensor(w, [wrows, tc], wl)
     x_desc = TensorDescriptor.from_tensor(x, [ntok, tc], xl)
     part, cnt = _WORKSPACE.get(x.device, (n // TR) * kt * TR * ntok, n // TR)
     ts = cnt if stamps is None else stamps
     _tc_gemm_kernel[(ctas,)](
-        w_desc, x_desc, out, part, cnt, ts, m, n, tiles, ctas, kt, slots, k,
-        NBUF=ring_slots(tc, ntok, silu_mul, nbuf, budget), SILU_MUL=silu_mul, PARTS=partial,
-        STAMP=stamps is not None, PRE=PREFETCH, num_warps=4, maxnreg=MAXNREG[ntok], launch_pdl=True,
+        w_desc, x_desc, out, part, cnt, ts, m, out.shape[-1], tiles, ctas, kt, slots,
+        n // 2 if swiglu_out else k,
+        NBUF=ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out), SILU_MUL=silu_mul, PARTS=partial,
+        STAMP=stamps is not None, PRE=PREFETCH, SWIGLU=swiglu_out, num_warps=4, maxnreg=MAXNREG[ntok],
+        launch_pdl=True,
     )  # fmt: skip
     return out

@@ -32,6 +32,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bo
     return skinny_linear(x, w, silu_mul=silu_mul)
 
 
+def mlp_partial(m: torch.Tensor, mlp) -> torch.Tensor:
+    """down(silu(gate(m)) * up(m)) as down's fp32 partial products where the tensor-core kernel takes it.
+
+    On tensor cores gate_up hands down silu(gate) * up (tc_gemm's swiglu_out), the bits down's own SiLU
+    prologue would compute, so down multiplies a plain input (docs/benchmarks.md, twenty-sixth session)."""
+    if tc_gemm.supported(m, mlp.gate_up_weight, swiglu_out=True):
+        return linear(
+            tc_gemm.tc_linear(m, mlp.gate_up_weight, swiglu_out=True), mlp.down_proj.weight, partial=True
+        )
+    return linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True, partial=True)
+
+
 def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tensor:
     """h [N, hidden] -> the loop's normed output [N, hidden] (which feeds the next loop).
 
@@ -52,7 +64,7 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
         o = attn(i, q.view(*lead, hq, d), k.view(*lead, hkv, d), v.view(*lead, hkv, d)).reshape(n, hq * d)
         a = linear(o, sa.o_proj.weight, partial=True)
         h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
-        out = linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True, partial=True)
+        out = mlp_partial(m, mlp)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
         h, x = add_rms_norm(h, out, layer.post_attention_layernorm_2.weight, w_next, eps)
     return x
