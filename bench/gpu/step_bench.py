@@ -9,7 +9,8 @@ step (engine/riders.py), and the loop's cuBLAS matmuls alone at T rows. `--attn-
 ...` times the loop again with the decode attention's split count, tile width (and warps) forced
 (decode_config patched, in this process only). `--host-replay` adds each graph's host time a replay() call
 takes, the GPU idle and busy (replay_timing.host_replay_us). `--down-plain` (timing only, wrong results)
-times the loop with down reading gate_up's gate half as its input, without the SiLU product. Environment
+times the loop with down reading gate_up's gate half as its input, without the SiLU product (with
+OURO_FAST_TC_SWIGLU=0; by default gate_up already hands down the product). Environment
 switches (OURO_FAST_PDL, OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE,
 OURO_FAST_EARLY_KV, OURO_FAST_TC_*) are read at import:
 run one process per setting, e.g.
