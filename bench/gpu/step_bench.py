@@ -8,11 +8,8 @@ decode rows and one `--prompt`-token prompt, padded to T tokens and 64 rows as t
 step (engine/riders.py), and the loop's cuBLAS matmuls alone at T rows. `--attn-config SPLITS:BLOCK_N[:WARPS]
 ...` times the loop again with the decode attention's split count, tile width (and warps) forced
 (decode_config patched, in this process only). `--host-replay` adds each graph's host time a replay() call
-takes, the GPU idle and busy (replay_timing.host_replay_us). `--down-plain` (timing only, wrong results)
-times the loop with down reading gate_up's gate half as its input, without the SiLU product (with
-OURO_FAST_TC_SWIGLU=0; by default gate_up already hands down the product). Environment
-switches (OURO_FAST_PDL, OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE,
-OURO_FAST_EARLY_KV, OURO_FAST_TC_*) are read at import:
+takes, the GPU idle and busy (replay_timing.host_replay_us). Environment switches (OURO_FAST_PDL,
+OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE, OURO_FAST_EARLY_KV) are read at import:
 run one process per setting, e.g.
 
     for v in "" skinny norm; do OURO_FAST_PDL_PLAIN=$v python3 bench/gpu/step_bench.py --tag "$v"; done
@@ -28,7 +25,6 @@ from pathlib import Path
 import torch
 
 from ouro_fast.kernels import decode_attention
-from ouro_fast.model import fast_loop
 from ouro_fast.model.checkpoints import PRESETS
 from ouro_fast.model.fast_loop import run_loop_fused
 from ouro_fast.model.ouro import OuroForCausalLM
@@ -91,16 +87,6 @@ def matmuls(model, x: torch.Tensor, xf: torch.Tensor) -> None:
         f(xf, mlp.down_proj.weight)
 
 
-def _plain_down(linear):
-    """Timing only (wrong results): down reads gate_up's gate half as its input, with no SiLU product, to
-    bound what computing silu(gate) * up before down (in gate_up's epilogue) could save."""
-
-    def plain(x, w, silu_mul=False, partial=False):
-        return linear(x[:, : x.shape[1] // 2] if silu_mul else x, w, False, partial)
-
-    return plain
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
@@ -113,10 +99,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N[:WARPS] settings to time")
     ap.add_argument("--host-replay", action="store_true", help="also the host time of graph.replay()")
-    ap.add_argument("--down-plain", action="store_true", help="timing only: down without its SiLU prologue")
     args = ap.parse_args()
-    if args.down_plain:
-        fast_loop.linear = _plain_down(fast_loop.linear)
     model = build(args.preset)
     cfg, page, max_blocks = model.config, 16, 64
     weights = sum(

@@ -69,12 +69,6 @@ CONFIG = tuple(int(v) for v in os.environ.get("OURO_FAST_TC_CONFIG", "256:4:1").
 # ring at up to 8 rows and gives down 3 slots: loop 0.911 / 1.026 ms at 1 / 8 rows against 0.917 / 1.037 with
 # 225 KB (H200, two rounds; 113 KB: 0.972 / 1.140; twenty-fourth session).
 SMEM_BUDGET = int(os.environ.get("OURO_FAST_TC_SMEM", str(160 * 1024)))
-# The down projection's own (TC, NBUF, SMEM KB), from OURO_FAST_TC_DOWN ("TC:NBUF:KB"; unset: the above).
-# down is the matmul furthest from its weights' floor (8.3 against 4.8 us a layer, twenty-fourth session):
-# its CTAs start only once gate_up's have left a SM, and its 704 tiles of 256 columns split 6 / 5 over 132
-# CTAs (A/B runs).
-_DOWN = [int(v) for v in os.environ.get("OURO_FAST_TC_DOWN", "").split(":") if v]
-DOWN = (_DOWN[0], _DOWN[1], _DOWN[2] * 1024) if _DOWN else (CONFIG[0], CONFIG[1], SMEM_BUDGET)
 # Weight tiles a CTA may load before its PDL wait (A/B runs; the default, 64, fills the ring).
 PREFETCH = int(os.environ.get("OURO_FAST_TC_PREFETCH", "64"))
 # Where row groups outnumber SMs (up to twice: gate_up's 176 on 132), a CTA per group, two an SM, each
@@ -117,21 +111,13 @@ def grid_ctas(n: int, k: int, tc: int, sms: int, per_sm: int) -> int:
     return min(sms * per_sm, (n // TR) * (k // tc))
 
 
-def launch_plan(n: int, k: int, tc: int, sms: int, per_sm: int, partial: bool,
-                budget: int = SMEM_BUDGET) -> tuple[int, int]:  # fmt: skip
+def launch_plan(n: int, k: int, tc: int, sms: int, per_sm: int, partial: bool) -> tuple[int, int]:
     """(CTAs, shared-memory budget a CTA): a range of tiles each, or with WHOLE, where the row groups
     outnumber the CTAs but not twice the SMs and no partial output is asked for, a group each."""
     ctas = grid_ctas(n, k, tc, sms, per_sm)
     if WHOLE and not partial and ctas < n // TR <= 2 * sms:
-        return n // TR, min(budget, WHOLE_SMEM)
-    return ctas, budget
-
-
-def role_config(silu_mul: bool) -> tuple[int, int, int, int]:
-    """(TC, NBUF, CTAS_PER_SM, SMEM budget) of a call: the down projection (silu_mul) may have its own."""
-    if silu_mul:
-        return DOWN[0], DOWN[1], CONFIG[2], DOWN[2]
-    return CONFIG[0], CONFIG[1], CONFIG[2], SMEM_BUDGET
+        return n // TR, min(SMEM_BUDGET, WHOLE_SMEM)
+    return ctas, SMEM_BUDGET
 
 
 @functools.cache
@@ -153,7 +139,7 @@ def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, swiglu_o
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= 16:
         return False
     n, k = w.shape
-    tc = role_config(silu_mul)[0]
+    tc = CONFIG[0]
     kx = x.shape[1] // 2 if silu_mul else x.shape[1]
     aligned = x.stride(1) == 1 and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
     return kx == k and n % TR == 0 and k % tc == 0 and w.is_contiguous() and aligned
@@ -430,12 +416,12 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     tile multiplied, done), for the benchmark's timeline.
     Call only where supported(x, w, silu_mul, swiglu_out)."""
     assert not (swiglu_out and (partial or silu_mul))
-    tc, nbuf, per_sm, smem = role_config(silu_mul)
+    tc, nbuf, per_sm = CONFIG
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     ntok = 8 if m <= 8 else 16
     kt = k // tc
     tiles = (n // TR) * kt
-    ctas, budget = launch_plan(n, k, tc, sm_count(x.device), per_sm, partial, smem)
+    ctas, budget = launch_plan(n, k, tc, sm_count(x.device), per_sm, partial)
     slots = slots_for(n, k, tc, ctas) if partial else 0
     if partial:
         out = torch.empty(slots, m, n, device=x.device, dtype=torch.float32)
