@@ -74,6 +74,20 @@ def test_ring_fits_the_budget_and_keeps_two_slots():
     assert tc_gemm.ring_slots(256, 16, True, most=4, budget=10_000) == 2
 
 
+def test_ring_never_has_more_slots_than_a_cta_has_tiles(monkeypatch):
+    # o_proj's 256 tiles on 132 CTAs: 2 a CTA at most, so 2 slots (freeing the SM for gate_up's CTAs);
+    # qkv (768 tiles) and down (704) keep the budget's 4; gate_up's whole groups (8 tiles) keep 3.
+    monkeypatch.setattr(tc_gemm, "RING", {})
+    assert tc_gemm.slots_used(2048, 2048, 256, 132, 4) == 2
+    assert tc_gemm.slots_used(6144, 2048, 256, 132, 4) == 4
+    assert tc_gemm.slots_used(2048, 5632, 256, 132, 4) == 4
+    assert tc_gemm.slots_used(11264, 2048, 256, 176, 3) == 3
+    assert tc_gemm.slots_used(64, 256, 256, 132, 4) == 1  # one tile in all
+    # OURO_FAST_TC_RING's entry for a shape wins, for A/B runs.
+    monkeypatch.setattr(tc_gemm, "RING", {(2048, 2048): 4})
+    assert tc_gemm.slots_used(2048, 2048, 256, 132, 4) == 4
+
+
 def test_swiglu_epilogue_buffer_is_counted_and_two_gate_up_ctas_still_fit_a_sm():
     # gate_up with swiglu_out keeps its 176 CTAs two a SM: the group's [64, NTOK] buffer fits the budget.
     for ntok in (8, 16):

@@ -79,6 +79,10 @@ WHOLE_SMEM = 113 * 1024  # two CTAs a SM
 # gate_up hands down silu(gate) * up (swiglu_out), not its [gate; up] product. OURO_FAST_TC_SWIGLU=0: off.
 SWIGLU_OUT = os.environ.get("OURO_FAST_TC_SWIGLU", "1") != "0"
 HALF = TR // 2  # a SWIGLU tile's gate (and up) rows
+# Ring slots per weight shape, "NxK=slots,..." (A/B runs: a smaller ring lets the next kernel's CTAs sit beside
+# this one's and start their weight stream earlier); unset: ring_slots within the budget, at most the CTA's tiles.
+RING = {tuple(int(v) for v in key.split("x")): int(val) for key, val in (
+    item.split("=") for item in os.environ.get("OURO_FAST_TC_RING", "").split(",") if item)}  # fmt: skip
 # Registers a thread may take, for 8- and 16-wide token tiles ("A:B", or one value for both). Fewer at 8
 # leave room on a SM for the attention's and norms' CTAs beside the matmul's: a loop at 4 / 8 rows took
 # 0.991 / 1.038 ms with 112 against 1.054 / 1.078 with 128 (H200, context 160; nineteenth session).
@@ -104,6 +108,14 @@ def ring_slots(tc: int, ntok: int, silu_mul: bool, most: int, budget: int = SMEM
     fixed = ntok * tc * 2 if silu_mul else 0  # the SiLU product's buffer
     fixed += TR * ntok * 2 if swiglu else 0  # the group's gate/up rows, for the SwiGLU epilogue
     return max(2, min(most, (budget - fixed - 1024) // (TR * tc * 2 + nx * ntok * tc * 2)))
+
+
+def slots_used(n: int, k: int, tc: int, ctas: int, slots: int) -> int:
+    """Ring slots a launch allocates: OURO_FAST_TC_RING's for the shape, else `slots` but never more than a
+    CTA has tiles (o_proj's CTAs hold 1-2: two more slots would only keep the next kernel's CTAs off the SM)."""
+    if (n, k) in RING:
+        return RING[(n, k)]
+    return max(1, min(slots, -(-((n // TR) * (k // tc)) // ctas)))
 
 
 def grid_ctas(n: int, k: int, tc: int, sms: int, per_sm: int) -> int:
@@ -437,7 +449,8 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     _tc_gemm_kernel[(ctas,)](
         w_desc, x_desc, out, part, cnt, ts, m, out.shape[-1], tiles, ctas, kt, slots,
         n // 2 if swiglu_out else k,
-        NBUF=ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out), SILU_MUL=silu_mul, PARTS=partial,
+        NBUF=slots_used(n, k, tc, ctas, ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out)),
+        SILU_MUL=silu_mul, PARTS=partial,
         STAMP=stamps is not None, PRE=PREFETCH, SWIGLU=swiglu_out, num_warps=4, maxnreg=MAXNREG[ntok],
         launch_pdl=True,
     )  # fmt: skip
