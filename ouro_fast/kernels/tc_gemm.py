@@ -79,8 +79,8 @@ WHOLE_SMEM = 113 * 1024  # two CTAs a SM
 # gate_up hands down silu(gate) * up (swiglu_out), not its [gate; up] product. OURO_FAST_TC_SWIGLU=0: off.
 SWIGLU_OUT = os.environ.get("OURO_FAST_TC_SWIGLU", "1") != "0"
 HALF = TR // 2  # a SWIGLU tile's gate (and up) rows
-# Ring slots per weight shape, "NxK=slots,..." (A/B runs: a smaller ring lets the next kernel's CTAs sit beside
-# this one's and start their weight stream earlier); unset: ring_slots within the budget, at most the CTA's tiles.
+# Ring slots per weight shape, "NxK=slots,..." (A/B runs: a smaller ring lets the next kernel's CTAs sit
+# beside this one's and start their weight stream earlier); unset: ring_slots, at most the CTA's tiles.
 RING = {tuple(int(v) for v in key.split("x")): int(val) for key, val in (
     item.split("=") for item in os.environ.get("OURO_FAST_TC_RING", "").split(",") if item)}  # fmt: skip
 # Registers a thread may take, for 8- and 16-wide token tiles ("A:B", or one value for both). Fewer at 8
@@ -111,8 +111,8 @@ def ring_slots(tc: int, ntok: int, silu_mul: bool, most: int, budget: int = SMEM
 
 
 def slots_used(n: int, k: int, tc: int, ctas: int, slots: int) -> int:
-    """Ring slots a launch allocates: OURO_FAST_TC_RING's for the shape, else `slots` but never more than a
-    CTA has tiles (o_proj's CTAs hold 1-2: two more slots would only keep the next kernel's CTAs off the SM)."""
+    """Ring slots a launch allocates: OURO_FAST_TC_RING's for the shape, else `slots` but never more than
+    a CTA has tiles (o_proj's CTAs hold 1-2: two more slots would keep the next kernel's CTAs off the SM)."""
     if (n, k) in RING:
         return RING[(n, k)]
     return max(1, min(slots, -(-((n // TR) * (k // tc)) // ctas)))
