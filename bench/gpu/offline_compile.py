@@ -102,7 +102,7 @@ def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, swigl
     x_desc = TensorDescriptor.from_tensor(x, [ntok, tc], layout([ntok, tc], gl.bfloat16))
     out = torch.empty(max(slots, 1), m, n)
     cnt = torch.empty(16, dtype=torch.int32)
-    ring = t.ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu)
+    ring = t.slots_used(n, k, tc, ctas, t.ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu))
     kernel = t._tc_gemm_kernel.warmup(
         w_desc, x_desc, out, out, cnt, cnt, m, n // 2 if swiglu else n, tiles, ctas, kt, slots,
         n // 2 if swiglu else k, NBUF=ring, SILU_MUL=silu_mul, PARTS=partial, STAMP=False, PRE=t.PREFETCH,
