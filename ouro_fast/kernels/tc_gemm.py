@@ -79,10 +79,22 @@ WHOLE_SMEM = 113 * 1024  # two CTAs a SM
 # gate_up hands down silu(gate) * up (swiglu_out), not its [gate; up] product. OURO_FAST_TC_SWIGLU=0: off.
 SWIGLU_OUT = os.environ.get("OURO_FAST_TC_SWIGLU", "1") != "0"
 HALF = TR // 2  # a SWIGLU tile's gate (and up) rows
+
+
 # Ring slots per weight shape, "NxK=slots,..." (A/B runs: a smaller ring lets the next kernel's CTAs sit
 # beside this one's and start their weight stream earlier); unset: ring_slots, at most the CTA's tiles.
-RING = {tuple(int(v) for v in key.split("x")): int(val) for key, val in (
-    item.split("=") for item in os.environ.get("OURO_FAST_TC_RING", "").split(",") if item)}  # fmt: skip
+def _per_shape(name: str) -> dict[tuple[int, int], int]:
+    # "NxK=value,..." from the environment variable `name`, for A/B runs.
+    items = (item.split("=") for item in os.environ.get(name, "").split(",") if item)
+    return {tuple(int(v) for v in key.split("x")): int(val) for key, val in items}
+
+
+RING = _per_shape("OURO_FAST_TC_RING")
+# Per weight shape (A/B runs): tiles loaded before the PDL wait (OURO_FAST_TC_PRE, else PREFETCH), and a pause
+# of 500 * PACE ns before each of those past the first (OURO_FAST_TC_PACE, 0-2), so that a matmul starting
+# beside a running kernel does not queue a burst of weight loads ahead of that kernel's loads.
+PRE_AT = _per_shape("OURO_FAST_TC_PRE")
+PACE_AT = _per_shape("OURO_FAST_TC_PACE")
 # Registers a thread may take, for 8- and 16-wide token tiles ("A:B", or one value for both). Fewer at 8
 # leave room on a SM for the attention's and norms' CTAs beside the matmul's: a loop at 4 / 8 rows took
 # 0.991 / 1.038 ms with 112 against 1.054 / 1.078 with 128 (H200, context 160; nineteenth session).
@@ -190,6 +202,16 @@ if HAVE_GLUON:
             gl.store(ts_ptr + gl.program_id(0) * 4 + k, global_timer())
 
     @gluon.jit
+    def _pause(PACE: gl.constexpr):
+        # PACE x 500 ns (0-2) of this warp's time, without a busy loop.
+        if PACE == 1:
+            gl.inline_asm_elementwise("nanosleep.u32 500; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+        elif PACE == 2:
+            gl.inline_asm_elementwise("nanosleep.u32 1000; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
     def _range(T, G):
         # This CTA's tiles: [lo, lo + n).
         c = gl.program_id(0)
@@ -198,7 +220,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _wloader(w_desc, ring, wready, empty, go, T, G, KT, F, NBUF: gl.constexpr, PRE: gl.constexpr,
-                 SWIGLU: gl.constexpr):  # fmt: skip
+                 SWIGLU: gl.constexpr, PACE: gl.constexpr):  # fmt: skip
         # One warp: the weight tiles, as far ahead as the ring allows; the first PRE before the PDL wait.
         # SWIGLU: a tile is gate's rows [32 g, 32 g + 32) over up's (rows F + those), two loads.
         TC: gl.constexpr = w_desc.block_type.shape[1]
@@ -206,6 +228,9 @@ if HAVE_GLUON:
         for i in range(n):
             if i == PRE:
                 mbarrier.wait(go, 0)
+            if PACE > 0:  # noqa: SIM102 (a constexpr branch)
+                if (i > 0) & (i < PRE) & (i < NBUF):
+                    _pause(PACE)
             slot = i % NBUF
             mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
             t = lo + i
@@ -362,7 +387,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, ts_ptr, M, stride_out, T, G, KT, S, F,
                         NBUF: gl.constexpr, SILU_MUL: gl.constexpr, PARTS: gl.constexpr,
-                        STAMP: gl.constexpr, PRE: gl.constexpr, SWIGLU: gl.constexpr = False):  # fmt: skip
+                        STAMP: gl.constexpr, PRE: gl.constexpr, SWIGLU: gl.constexpr = False,
+                        PACE: gl.constexpr = 0):  # fmt: skip
         TC: gl.constexpr = w_desc.block_type.shape[1]
         NTOK: gl.constexpr = x_desc.block_type.shape[0]
         NX: gl.constexpr = 2 if SILU_MUL else 1
@@ -386,7 +412,7 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, es, wready, xready, empty, M,
                          stride_out, T, G, KT, S, NBUF, NTOK, TC, SILU_MUL, PARTS, STAMP, SWIGLU)),
-            (_wloader, (w_desc, ring, wready, empty, go, T, G, KT, F, NBUF, PRE, SWIGLU)),
+            (_wloader, (w_desc, ring, wready, empty, go, T, G, KT, F, NBUF, PRE, SWIGLU, PACE)),
             (_xloader, (x_desc, ts_ptr, xring, xready, empty, go, T, G, KT, F, NBUF, SILU_MUL, STAMP)),
         ], [1, 1], [40, 40])  # fmt: skip
 
@@ -451,7 +477,8 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
         n // 2 if swiglu_out else k,
         NBUF=slots_used(n, k, tc, ctas, ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out)),
         SILU_MUL=silu_mul, PARTS=partial,
-        STAMP=stamps is not None, PRE=PREFETCH, SWIGLU=swiglu_out, num_warps=4, maxnreg=MAXNREG[ntok],
+        STAMP=stamps is not None, PRE=PRE_AT.get((n, k), PREFETCH), PACE=PACE_AT.get((n, k), 0),
+        SWIGLU=swiglu_out, num_warps=4, maxnreg=MAXNREG[ntok],
         launch_pdl=True,
     )  # fmt: skip
     return out
