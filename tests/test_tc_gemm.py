@@ -88,6 +88,14 @@ def test_ring_never_has_more_slots_than_a_cta_has_tiles(monkeypatch):
     assert tc_gemm.slots_used(2048, 2048, 256, 132, 4) == 4
 
 
+def test_per_shape_switches_parse_shapes_and_values(monkeypatch):
+    # OURO_FAST_TC_RING / _PRE / _PACE: "NxK=value,..." per weight shape; unset is empty.
+    monkeypatch.setenv("OURO_FAST_TC_PRE", "11264x2048=1,2048x5632=3")
+    assert tc_gemm._per_shape("OURO_FAST_TC_PRE") == {(11264, 2048): 1, (2048, 5632): 3}
+    monkeypatch.delenv("OURO_FAST_TC_PACE", raising=False)
+    assert tc_gemm._per_shape("OURO_FAST_TC_PACE") == {}
+
+
 def test_swiglu_epilogue_buffer_is_counted_and_two_gate_up_ctas_still_fit_a_sm():
     # gate_up with swiglu_out keeps its 176 CTAs two a SM: the group's [64, NTOK] buffer fits the budget.
     for ntok in (8, 16):
