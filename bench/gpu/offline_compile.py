@@ -106,7 +106,8 @@ def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, swigl
     kernel = t._tc_gemm_kernel.warmup(
         w_desc, x_desc, out, out, cnt, cnt, m, n // 2 if swiglu else n, tiles, ctas, kt, slots,
         n // 2 if swiglu else k, NBUF=ring, SILU_MUL=silu_mul, PARTS=partial, STAMP=False,
-        PRE=t.PRE_AT.get((n, k), t.PREFETCH), SWIGLU=swiglu, PACE=t.PACE_AT.get((n, k), t.PACE_SWIGLU if swiglu else 0), num_warps=4,
+        PRE=t.PRE_AT.get((n, k), t.PREFETCH), SWIGLU=swiglu, num_warps=4,
+        PACE=t.PACE_AT.get((n, k), t.PACE_SWIGLU if swiglu else 0),
         maxnreg=t.MAXNREG[ntok], launch_pdl=True, grid=(ctas,),
     )  # fmt: skip
     return {"n": n, "k": k, "m": m, "swiglu": swiglu, "ctas": ctas, "ring": ring,

@@ -480,7 +480,8 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
         n // 2 if swiglu_out else k,
         NBUF=slots_used(n, k, tc, ctas, ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out)),
         SILU_MUL=silu_mul, PARTS=partial,
-        STAMP=stamps is not None, PRE=PRE_AT.get((n, k), PREFETCH), PACE=PACE_AT.get((n, k), PACE_SWIGLU if swiglu_out else 0),
+        STAMP=stamps is not None, PRE=PRE_AT.get((n, k), PREFETCH),
+        PACE=PACE_AT.get((n, k), PACE_SWIGLU if swiglu_out else 0),
         SWIGLU=swiglu_out, num_warps=4, maxnreg=MAXNREG[ntok],
         launch_pdl=True,
     )  # fmt: skip
