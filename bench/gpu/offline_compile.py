@@ -107,7 +107,7 @@ def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, swigl
         w_desc, x_desc, out, out, cnt, cnt, m, n // 2 if swiglu else n, tiles, ctas, kt, slots,
         n // 2 if swiglu else k, NBUF=ring, SILU_MUL=silu_mul, PARTS=partial, STAMP=False,
         PRE=t.PRE_AT.get((n, k), t.PREFETCH), SWIGLU=swiglu, num_warps=4,
-        PACE=t.PACE_AT.get((n, k), t.PACE_SWIGLU if swiglu else 0),
+        PACE=t.PACE_AT.get((n, k), t.PACE_BESIDE if n != 2048 or k == 2048 else 0),
         maxnreg=t.MAXNREG[ntok], launch_pdl=True, grid=(ctas,),
     )  # fmt: skip
     return {"n": n, "k": k, "m": m, "swiglu": swiglu, "ctas": ctas, "ring": ring,

@@ -95,9 +95,11 @@ RING = _per_shape("OURO_FAST_TC_RING")
 # beside a running kernel does not queue a burst of weight loads ahead of that kernel's loads.
 PRE_AT = _per_shape("OURO_FAST_TC_PRE")
 PACE_AT = _per_shape("OURO_FAST_TC_PACE")
-# gate_up (swiglu_out) starts beside o_proj while the attention runs: 1000 ns between its first tiles kept its
-# burst from delaying the attention's loads (H200 loop 0.867 / 0.979 ms at 1 / 8 rows against 0.879 / 0.997).
-PACE_SWIGLU = 2
+# The decode loop's pace for qkv, o_proj and gate_up, whose CTAs start beside a running kernel (the norm or
+# down's tail, qkv, the attention): 1000 ns between their first tiles keeps their burst from delaying that
+# kernel's loads. H200 loop 0.852 / 0.962 ms at 1 / 8 rows against 0.879 / 0.997 unpaced; down paced was
+# slower (docs/benchmarks.md, twenty-seventh session).
+PACE_BESIDE = 2
 # Registers a thread may take, for 8- and 16-wide token tiles ("A:B", or one value for both). Fewer at 8
 # leave room on a SM for the attention's and norms' CTAs beside the matmul's: a loop at 4 / 8 rows took
 # 0.991 / 1.038 ms with 112 against 1.054 / 1.078 with 128 (H200, context 160; nineteenth session).
@@ -446,13 +448,16 @@ _WORKSPACE = _Workspace()
 
 
 def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bool = False,
-              stamps: torch.Tensor | None = None, swiglu_out: bool = False) -> torch.Tensor:  # fmt: skip
+              stamps: torch.Tensor | None = None, swiglu_out: bool = False,
+              pace: int = 0) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (M <= 16); with silu_mul, x is [M, 2K] (gate then up).
 
     swiglu_out: w is [gate; up] and the result silu_and_mul(x @ w.T), [M, N / 2] (not with partial).
 
     partial: return fp32 partial products [S, M, N] instead (S = slots_for the shape), whose sum in slot
     order is the product (for the consumer to add: no sums between CTAs in the kernel).
+    pace: 0-2, 500 * pace ns between the weight tiles loaded before the PDL wait (PACE_BESIDE for a matmul
+    whose CTAs start beside a running kernel); OURO_FAST_TC_PACE overrides it per shape.
     stamps: int64 [CTAs, 4] that receives each CTA's global-timer stamps (start, PDL wait over, first
     tile multiplied, done), for the benchmark's timeline.
     Call only where supported(x, w, silu_mul, swiglu_out)."""
@@ -481,7 +486,7 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
         NBUF=slots_used(n, k, tc, ctas, ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out)),
         SILU_MUL=silu_mul, PARTS=partial,
         STAMP=stamps is not None, PRE=PRE_AT.get((n, k), PREFETCH),
-        PACE=PACE_AT.get((n, k), PACE_SWIGLU if swiglu_out else 0),
+        PACE=PACE_AT.get((n, k), pace),
         SWIGLU=swiglu_out, num_warps=4, maxnreg=MAXNREG[ntok],
         launch_pdl=True,
     )  # fmt: skip

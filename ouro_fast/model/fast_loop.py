@@ -22,13 +22,15 @@ from ..kernels.skinny_gemm import skinny_linear
 from .ouro import OuroForCausalLM
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bool = False,
+           pace: int = 0) -> torch.Tensor:  # fmt: skip
     """x @ w.T (of silu(gate) * up with silu_mul): tensor cores on Hopper, else the skinny kernel.
 
     partial: where the tensor-core kernel takes the call, return its fp32 partial products [S, M, N]
-    instead (for the consumer to add in slot order; no sums between CTAs inside the matmul)."""
+    instead (for the consumer to add in slot order; no sums between CTAs inside the matmul).
+    pace: the tensor-core kernel's pause between its first weight tiles (tc_linear)."""
     if tc_gemm.supported(x, w, silu_mul):
-        return tc_gemm.tc_linear(x, w, silu_mul, partial=partial)
+        return tc_gemm.tc_linear(x, w, silu_mul, partial=partial, pace=pace)
     return skinny_linear(x, w, silu_mul=silu_mul)
 
 
@@ -38,9 +40,8 @@ def mlp_partial(m: torch.Tensor, mlp) -> torch.Tensor:
     On tensor cores gate_up hands down silu(gate) * up (tc_gemm's swiglu_out), the bits down's own SiLU
     prologue would compute, so down multiplies a plain input (docs/benchmarks.md, twenty-sixth session)."""
     if tc_gemm.supported(m, mlp.gate_up_weight, swiglu_out=True):
-        return linear(
-            tc_gemm.tc_linear(m, mlp.gate_up_weight, swiglu_out=True), mlp.down_proj.weight, partial=True
-        )
+        gu = tc_gemm.tc_linear(m, mlp.gate_up_weight, swiglu_out=True, pace=tc_gemm.PACE_BESIDE)
+        return linear(gu, mlp.down_proj.weight, partial=True)
     return linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True, partial=True)
 
 
@@ -58,11 +59,12 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
     x = rms_norm(h, layers[0].input_layernorm.weight, eps)
     for i, layer in enumerate(layers):
         sa, mlp = layer.self_attn, layer.mlp
-        qkv = linear(x, sa.qkv_weight, partial=qkv_partial)
+        # qkv, o_proj and gate_up start beside a running kernel: their first tiles are paced (tc_linear).
+        qkv = linear(x, sa.qkv_weight, partial=qkv_partial, pace=tc_gemm.PACE_BESIDE)
         q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
         lead = qkv.shape[:-1]  # [N], or [S, N] for partial products
         o = attn(i, q.view(*lead, hq, d), k.view(*lead, hkv, d), v.view(*lead, hkv, d)).reshape(n, hq * d)
-        a = linear(o, sa.o_proj.weight, partial=True)
+        a = linear(o, sa.o_proj.weight, partial=True, pace=tc_gemm.PACE_BESIDE)
         h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
         out = mlp_partial(m, mlp)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
