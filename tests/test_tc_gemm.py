@@ -139,6 +139,21 @@ def test_swiglu_out_is_silu_and_mul_of_the_product_bit_for_bit(n, k, m):
 
 
 @needs_hopper
+@pytest.mark.parametrize("pace", [1, 2])
+def test_paced_loads_change_no_bit(pace):
+    # pace only delays the loader's first tiles: plain, partial and SwiGLU outputs are the unpaced ones.
+    gen = torch.Generator(device="cuda").manual_seed(pace)
+    x = torch.randn(8, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    for n in (6144, 2048, 11264):
+        w = (0.02 * torch.randn(n, 2048, device="cuda", generator=gen)).to(torch.bfloat16)
+        assert torch.equal(tc_gemm.tc_linear(x, w, pace=pace), tc_gemm.tc_linear(x, w))
+        paced = tc_gemm.tc_linear(x, w, partial=True, pace=pace)
+        assert torch.equal(paced, tc_gemm.tc_linear(x, w, partial=True))
+    got = tc_gemm.tc_linear(x, w, swiglu_out=True, pace=pace)
+    assert torch.equal(got, tc_gemm.tc_linear(x, w, swiglu_out=True))
+
+
+@needs_hopper
 def test_mlp_partial_is_the_silu_mul_path_bit_for_bit(monkeypatch):
     from types import SimpleNamespace
 
