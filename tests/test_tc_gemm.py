@@ -96,6 +96,29 @@ def test_per_shape_switches_parse_shapes_and_values(monkeypatch):
     assert tc_gemm._per_shape("OURO_FAST_TC_PACE") == {}
 
 
+def test_decode_mlp_paces_gate_up_but_not_down(monkeypatch):
+    # gate_up starts beside o_proj and the attention (paced); down streams while gate_up still streams (not).
+    from types import SimpleNamespace
+
+    from ouro_fast.model import fast_loop
+
+    calls = []
+
+    def fake(x, w, silu_mul=False, partial=False, stamps=None, swiglu_out=False, pace=0):
+        calls.append((tuple(w.shape), swiglu_out, partial, pace))
+        return torch.zeros(x.shape[0], w.shape[0] // 2 if swiglu_out else w.shape[0])
+
+    monkeypatch.setattr(tc_gemm, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(tc_gemm, "tc_linear", fake)
+    down = SimpleNamespace(weight=torch.zeros(32, 64))
+    mlp = SimpleNamespace(gate_up_weight=torch.zeros(128, 32), down_proj=down)
+    fast_loop.mlp_partial(torch.zeros(2, 32), mlp)
+    assert calls == [((128, 32), True, False, tc_gemm.PACE_BESIDE), ((32, 64), False, True, 0)]
+    assert tc_gemm.PACE_BESIDE in (1, 2)  # the kernel's pause takes 1 or 2 (x 500 ns)
+    fast_loop.linear(torch.zeros(2, 32), torch.zeros(16, 32), pace=2)
+    assert calls[-1] == ((16, 32), False, False, 2)
+
+
 def test_swiglu_epilogue_buffer_is_counted_and_two_gate_up_ctas_still_fit_a_sm():
     # gate_up with swiglu_out keeps its 176 CTAs two a SM: the group's [64, NTOK] buffer fits the budget.
     for ntok in (8, 16):
