@@ -89,9 +89,9 @@ def test_ring_never_has_more_slots_than_a_cta_has_tiles(monkeypatch):
 
 
 def test_per_shape_switches_parse_shapes_and_values(monkeypatch):
-    # OURO_FAST_TC_RING / _PRE / _PACE: "NxK=value,..." per weight shape; unset is empty.
-    monkeypatch.setenv("OURO_FAST_TC_PRE", "11264x2048=1,2048x5632=3")
-    assert tc_gemm._per_shape("OURO_FAST_TC_PRE") == {(11264, 2048): 1, (2048, 5632): 3}
+    # OURO_FAST_TC_RING / _PACE: "NxK=value,..." per weight shape; unset is empty.
+    monkeypatch.setenv("OURO_FAST_TC_RING", "11264x2048=1,2048x5632=3")
+    assert tc_gemm._per_shape("OURO_FAST_TC_RING") == {(11264, 2048): 1, (2048, 5632): 3}
     monkeypatch.delenv("OURO_FAST_TC_PACE", raising=False)
     assert tc_gemm._per_shape("OURO_FAST_TC_PACE") == {}
 

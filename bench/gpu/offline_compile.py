@@ -82,7 +82,8 @@ def ptxas_usage(ptx: str) -> dict:
     }
 
 
-def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, swiglu: bool = False) -> dict:
+def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, swiglu: bool = False,
+                    pace: int = 0) -> dict:  # fmt: skip
     """tc_gemm's kernel at one shape, as tc_linear would launch it on a 132-SM H200."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -106,8 +107,7 @@ def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, swigl
     kernel = t._tc_gemm_kernel.warmup(
         w_desc, x_desc, out, out, cnt, cnt, m, n // 2 if swiglu else n, tiles, ctas, kt, slots,
         n // 2 if swiglu else k, NBUF=ring, SILU_MUL=silu_mul, PARTS=partial, STAMP=False,
-        PRE=t.PRE_AT.get((n, k), t.PREFETCH), SWIGLU=swiglu, num_warps=4,
-        PACE=t.PACE_AT.get((n, k), t.PACE_BESIDE if n != 2048 or k == 2048 else 0),
+        PRE=t.PREFETCH, SWIGLU=swiglu, PACE=t.PACE_AT.get((n, k), pace), num_warps=4,
         maxnreg=t.MAXNREG[ntok], launch_pdl=True, grid=(ctas,),
     )  # fmt: skip
     return {"n": n, "k": k, "m": m, "swiglu": swiglu, "ctas": ctas, "ring": ring,
@@ -138,17 +138,19 @@ def main() -> int:
         for tiles in sys.argv[sys.argv.index("--paged") + 1 :]:
             print(compile_paged_attention(*(int(v) for v in tiles.split(":"))), flush=True)
         return 0
+    from ouro_fast.kernels.tc_gemm import PACE_BESIDE as beside
+
     shapes = [
-        (6144, 2048, False, True, False),
-        (2048, 2048, False, True, False),
-        (11264, 2048, False, False, False),
-        (11264, 2048, False, False, True),
-        (2048, 5632, True, True, False),
-        (2048, 5632, False, True, False),
-    ]  # qkv, o_proj, gate_up (plain, swiglu_out), down (silu_mul, plain), as (silu_mul, partial, swiglu)
-    for n, k, silu, partial, swiglu in shapes:
+        (6144, 2048, False, True, False, beside),
+        (2048, 2048, False, True, False, beside),
+        (11264, 2048, False, False, False, 0),
+        (11264, 2048, False, False, True, beside),
+        (2048, 5632, True, True, False, 0),
+        (2048, 5632, False, True, False, 0),
+    ]  # qkv, o_proj, gate_up (plain, swiglu_out), down (silu_mul, plain): (silu_mul, partial, swiglu, pace)
+    for n, k, silu, partial, swiglu, pace in shapes:  # paced as fast_loop.run_loop_fused launches them
         for m in (1, 16):
-            print(compile_tc_gemm(n, k, m, silu, partial, swiglu), flush=True)
+            print(compile_tc_gemm(n, k, m, silu, partial, swiglu, pace), flush=True)
     return 0
 
 

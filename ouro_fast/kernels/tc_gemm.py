@@ -81,19 +81,16 @@ SWIGLU_OUT = os.environ.get("OURO_FAST_TC_SWIGLU", "1") != "0"
 HALF = TR // 2  # a SWIGLU tile's gate (and up) rows
 
 
-# Ring slots per weight shape, "NxK=slots,..." (A/B runs: a smaller ring lets the next kernel's CTAs sit
-# beside this one's and start their weight stream earlier); unset: ring_slots, at most the CTA's tiles.
 def _per_shape(name: str) -> dict[tuple[int, int], int]:
     # "NxK=value,..." from the environment variable `name`, for A/B runs.
     items = (item.split("=") for item in os.environ.get(name, "").split(",") if item)
     return {tuple(int(v) for v in key.split("x")): int(val) for key, val in items}
 
 
+# Ring slots per weight shape (OURO_FAST_TC_RING, A/B runs: a smaller ring lets the next kernel's CTAs sit
+# beside this one's and start their weight stream earlier); unset: ring_slots, at most the CTA's tiles.
 RING = _per_shape("OURO_FAST_TC_RING")
-# Per weight shape (A/B runs): tiles loaded before the PDL wait (OURO_FAST_TC_PRE, else PREFETCH), and a pause
-# of 500 * PACE ns before each of those past the first (OURO_FAST_TC_PACE, 0-2), so that a matmul starting
-# beside a running kernel does not queue a burst of weight loads ahead of that kernel's loads.
-PRE_AT = _per_shape("OURO_FAST_TC_PRE")
+# Pace per weight shape (OURO_FAST_TC_PACE, 0-2, A/B runs): overrides tc_linear's `pace`.
 PACE_AT = _per_shape("OURO_FAST_TC_PACE")
 # The decode loop's pace for qkv, o_proj and gate_up, whose CTAs start beside a running kernel (the norm or
 # down's tail, qkv, the attention): 1000 ns between their first tiles keeps their burst from delaying that
@@ -485,9 +482,7 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
         n // 2 if swiglu_out else k,
         NBUF=slots_used(n, k, tc, ctas, ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out)),
         SILU_MUL=silu_mul, PARTS=partial,
-        STAMP=stamps is not None, PRE=PRE_AT.get((n, k), PREFETCH),
-        PACE=PACE_AT.get((n, k), pace),
-        SWIGLU=swiglu_out, num_warps=4, maxnreg=MAXNREG[ntok],
-        launch_pdl=True,
+        STAMP=stamps is not None, PRE=PREFETCH, PACE=PACE_AT.get((n, k), pace), SWIGLU=swiglu_out,
+        num_warps=4, maxnreg=MAXNREG[ntok], launch_pdl=True,
     )  # fmt: skip
     return out
