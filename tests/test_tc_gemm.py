@@ -114,7 +114,7 @@ def test_decode_mlp_paces_gate_up_but_not_down(monkeypatch):
     mlp = SimpleNamespace(gate_up_weight=torch.zeros(128, 32), down_proj=down)
     fast_loop.mlp_partial(torch.zeros(2, 32), mlp)
     assert calls == [((128, 32), True, False, tc_gemm.PACE_BESIDE), ((32, 64), False, True, 0)]
-    assert tc_gemm.PACE_BESIDE in (1, 2)  # the kernel's pause takes 1 or 2 (x 500 ns)
+    assert tc_gemm.PACE_BESIDE in (1, 2, 3, 4)  # the kernel's pause takes 1-4 (x 500 ns)
     fast_loop.linear(torch.zeros(2, 32), torch.zeros(16, 32), pace=2)
     assert calls[-1] == ((16, 32), False, False, 2)
 
@@ -162,9 +162,12 @@ def test_swiglu_out_is_silu_and_mul_of_the_product_bit_for_bit(n, k, m):
 
 
 @needs_hopper
-@pytest.mark.parametrize("pace", [1, 2])
-def test_paced_loads_change_no_bit(pace):
-    # pace only delays the loader's first tiles: plain, partial and SwiGLU outputs are the unpaced ones.
+@pytest.mark.parametrize("until_go", [False, True])
+@pytest.mark.parametrize("pace", [1, 2, 3, 4])
+def test_paced_loads_change_no_bit(pace, until_go, monkeypatch):
+    # pace only delays the loader's first tiles (with until_go, only while the PDL wait lasts): plain,
+    # partial and SwiGLU outputs are the unpaced ones.
+    monkeypatch.setattr(tc_gemm, "PACE_UNTIL_GO", until_go)
     gen = torch.Generator(device="cuda").manual_seed(pace)
     x = torch.randn(8, 2048, device="cuda", generator=gen).to(torch.bfloat16)
     for n in (6144, 2048, 11264):

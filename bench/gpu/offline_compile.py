@@ -17,6 +17,7 @@ Ouro-1.4B's 16 heads of 128, block size 16) at those tiles instead: shared memor
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -107,9 +108,13 @@ def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, swigl
     kernel = t._tc_gemm_kernel.warmup(
         w_desc, x_desc, out, out, cnt, cnt, m, n // 2 if swiglu else n, tiles, ctas, kt, slots,
         n // 2 if swiglu else k, NBUF=ring, SILU_MUL=silu_mul, PARTS=partial, STAMP=False,
-        PRE=t.PREFETCH, SWIGLU=swiglu, PACE=t.PACE_AT.get((n, k), pace), num_warps=4,
+        PRE=t.PREFETCH, SWIGLU=swiglu, PACE=t.PACE_AT.get((n, k), pace), UNTIL_GO=t.PACE_UNTIL_GO,
+        num_warps=4,
         maxnreg=t.MAXNREG[ntok], launch_pdl=True, grid=(ctas,),
     )  # fmt: skip
+    if os.environ.get("PTX_DIR"):  # PTX_DIR=folder: keep each compile's PTX, to read what it does
+        name = f"tc_{n}x{k}_m{m}{'_swiglu' if swiglu else ''}.ptx"
+        Path(os.environ["PTX_DIR"], name).write_text(kernel.asm["ptx"])
     return {"n": n, "k": k, "m": m, "swiglu": swiglu, "ctas": ctas, "ring": ring,
             "smem": kernel.metadata.shared, **ptxas_usage(kernel.asm["ptx"])}  # fmt: skip
 

@@ -55,6 +55,7 @@ try:  # Gluon ships with triton >= 3.4; the CPU build of the package never calls
     HAVE_GLUON = True
     _TR = gl.constexpr(64)  # TR inside the kernels
     _HALF = gl.constexpr(32)  # HALF inside the kernels
+    _FLAG1 = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # a one-warp partition's copy of a flag
     EARLY_LAUNCH = gl.constexpr(PDL_EARLY)  # pdl.EARLY inside the kernels
 except ImportError:  # pragma: no cover - an old triton
     HAVE_GLUON = False
@@ -90,13 +91,15 @@ def _per_shape(name: str) -> dict[tuple[int, int], int]:
 # Ring slots per weight shape (OURO_FAST_TC_RING, A/B runs: a smaller ring lets the next kernel's CTAs sit
 # beside this one's and start their weight stream earlier); unset: ring_slots, at most the CTA's tiles.
 RING = _per_shape("OURO_FAST_TC_RING")
-# Pace per weight shape (OURO_FAST_TC_PACE, 0-2, A/B runs): overrides tc_linear's `pace`.
+# Pace per weight shape (OURO_FAST_TC_PACE, 0-4, A/B runs): overrides tc_linear's `pace`.
 PACE_AT = _per_shape("OURO_FAST_TC_PACE")
 # The decode loop's pace for qkv, o_proj and gate_up, whose CTAs start beside a running kernel (the norm or
 # down's tail, qkv, the attention): 1000 ns between their first tiles keeps their burst from delaying that
 # kernel's loads. H200 loop 0.852 / 0.962 ms at 1 / 8 rows against 0.879 / 0.997 unpaced; down paced was
 # slower (docs/benchmarks.md, twenty-seventh session).
 PACE_BESIDE = 2
+# OURO_FAST_TC_PACE_UNTIL_GO=1 (A/B runs): pause only while the PDL wait lasts, not after it is over.
+PACE_UNTIL_GO = os.environ.get("OURO_FAST_TC_PACE_UNTIL_GO", "0") == "1"
 # Registers a thread may take, for 8- and 16-wide token tiles ("A:B", or one value for both). Fewer at 8
 # leave room on a SM for the attention's and norms' CTAs beside the matmul's: a loop at 4 / 8 rows took
 # 0.991 / 1.038 ms with 112 against 1.054 / 1.078 with 128 (H200, context 160; nineteenth session).
@@ -204,14 +207,36 @@ if HAVE_GLUON:
             gl.store(ts_ptr + gl.program_id(0) * 4 + k, global_timer())
 
     @gluon.jit
+    def _nap(asm: gl.constexpr):
+        gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _nap_if(asm: gl.constexpr, flag):
+        gl.inline_asm_elementwise(asm, "=r,r", [flag], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _pause(PACE: gl.constexpr):
-        # PACE x 500 ns (0-2) of this warp's time, without a busy loop.
+        # PACE x 500 ns (0-4) of this warp's time, without a busy loop.
         if PACE == 1:
-            gl.inline_asm_elementwise("nanosleep.u32 500; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
+            _nap("nanosleep.u32 500; mov.u32 $0, 0;")
         elif PACE == 2:
-            gl.inline_asm_elementwise("nanosleep.u32 1000; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
+            _nap("nanosleep.u32 1000; mov.u32 $0, 0;")
+        elif PACE == 3:
+            _nap("nanosleep.u32 1500; mov.u32 $0, 0;")
+        elif PACE == 4:
+            _nap("nanosleep.u32 2000; mov.u32 $0, 0;")
+
+    @gluon.jit
+    def _pause_while(waiting, PACE: gl.constexpr):
+        # As _pause, only where `waiting` (this warp's read of the PDL-wait flag) is 0: the wait lasts.
+        if PACE == 1:
+            _nap_if("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p nanosleep.u32 500; mov.u32 $0, 0; }", waiting)
+        elif PACE == 2:
+            _nap_if("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p nanosleep.u32 1000; mov.u32 $0, 0; }", waiting)
+        elif PACE == 3:
+            _nap_if("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p nanosleep.u32 1500; mov.u32 $0, 0; }", waiting)
+        elif PACE == 4:
+            _nap_if("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p nanosleep.u32 2000; mov.u32 $0, 0; }", waiting)
 
     @gluon.jit
     def _range(T, G):
@@ -221,8 +246,8 @@ if HAVE_GLUON:
         return lo, ((c + 1) * T) // G - lo
 
     @gluon.jit
-    def _wloader(w_desc, ring, wready, empty, go, T, G, KT, F, NBUF: gl.constexpr, PRE: gl.constexpr,
-                 SWIGLU: gl.constexpr, PACE: gl.constexpr):  # fmt: skip
+    def _wloader(w_desc, ring, wready, empty, go, gone, T, G, KT, F, NBUF: gl.constexpr, PRE: gl.constexpr,
+                 SWIGLU: gl.constexpr, PACE: gl.constexpr, UNTIL_GO: gl.constexpr):  # fmt: skip
         # One warp: the weight tiles, as far ahead as the ring allows; the first PRE before the PDL wait.
         # SWIGLU: a tile is gate's rows [32 g, 32 g + 32) over up's (rows F + those), two loads.
         TC: gl.constexpr = w_desc.block_type.shape[1]
@@ -232,7 +257,10 @@ if HAVE_GLUON:
                 mbarrier.wait(go, 0)
             if PACE > 0:  # noqa: SIM102 (a constexpr branch)
                 if (i > 0) & (i < PRE) & (i < NBUF):
-                    _pause(PACE)
+                    if UNTIL_GO:  # only while the PDL wait lasts (the x loader sets `gone` after it)
+                        _pause_while(gone.load(_FLAG1), PACE)
+                    else:
+                        _pause(PACE)
             slot = i % NBUF
             mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
             t = lo + i
@@ -249,7 +277,7 @@ if HAVE_GLUON:
                                                 ring.index(slot))  # fmt: skip
 
     @gluon.jit
-    def _xloader(x_desc, ts_ptr, xring, xready, empty, go, T, G, KT, F, NBUF: gl.constexpr,
+    def _xloader(x_desc, ts_ptr, xring, xready, empty, go, gone, T, G, KT, F, NBUF: gl.constexpr,
                  SILU_MUL: gl.constexpr, STAMP: gl.constexpr):  # fmt: skip
         # One warp: after the PDL wait, each tile's activation chunk (and its up half with SILU_MUL).
         TC: gl.constexpr = x_desc.block_type.shape[1]
@@ -257,6 +285,7 @@ if HAVE_GLUON:
         if EARLY_LAUNCH:
             _gdc_launch()
         _gdc_wait()
+        gone.store(gl.full([1], 1, gl.int32, _FLAG1))
         mbarrier.arrive(go, count=1)
         _stamp(ts_ptr, 1, STAMP)
         if not EARLY_LAUNCH:
@@ -390,7 +419,7 @@ if HAVE_GLUON:
     def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, ts_ptr, M, stride_out, T, G, KT, S, F,
                         NBUF: gl.constexpr, SILU_MUL: gl.constexpr, PARTS: gl.constexpr,
                         STAMP: gl.constexpr, PRE: gl.constexpr, SWIGLU: gl.constexpr = False,
-                        PACE: gl.constexpr = 0):  # fmt: skip
+                        PACE: gl.constexpr = 0, UNTIL_GO: gl.constexpr = False):  # fmt: skip
         TC: gl.constexpr = w_desc.block_type.shape[1]
         NTOK: gl.constexpr = x_desc.block_type.shape[0]
         NX: gl.constexpr = 2 if SILU_MUL else 1
@@ -407,6 +436,8 @@ if HAVE_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the PDL wait is over
         mbarrier.init(go, count=1)
+        gone = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # 1: wait over
+        gone.store(gl.zeros([1], gl.int32, gl.BlockedLayout([1], [32], [4], [0])))
         for k in gl.static_range(NBUF):
             mbarrier.init(wready.index(k), count=1)
             mbarrier.init(xready.index(k), count=1)
@@ -414,8 +445,9 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (out_ptr, part_ptr, cnt_ptr, ts_ptr, ring, xring, xs, es, wready, xready, empty, M,
                          stride_out, T, G, KT, S, NBUF, NTOK, TC, SILU_MUL, PARTS, STAMP, SWIGLU)),
-            (_wloader, (w_desc, ring, wready, empty, go, T, G, KT, F, NBUF, PRE, SWIGLU, PACE)),
-            (_xloader, (x_desc, ts_ptr, xring, xready, empty, go, T, G, KT, F, NBUF, SILU_MUL, STAMP)),
+            (_wloader, (w_desc, ring, wready, empty, go, gone, T, G, KT, F, NBUF, PRE, SWIGLU, PACE,
+                        UNTIL_GO)),
+            (_xloader, (x_desc, ts_ptr, xring, xready, empty, go, gone, T, G, KT, F, NBUF, SILU_MUL, STAMP)),
         ], [1, 1], [40, 40])  # fmt: skip
 
 
@@ -453,7 +485,7 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
 
     partial: return fp32 partial products [S, M, N] instead (S = slots_for the shape), whose sum in slot
     order is the product (for the consumer to add: no sums between CTAs in the kernel).
-    pace: 0-2, 500 * pace ns between the weight tiles loaded before the PDL wait (PACE_BESIDE for a matmul
+    pace: 0-4, 500 * pace ns between the weight tiles loaded before the PDL wait (PACE_BESIDE for a matmul
     whose CTAs start beside a running kernel); OURO_FAST_TC_PACE overrides it per shape.
     stamps: int64 [CTAs, 4] that receives each CTA's global-timer stamps (start, PDL wait over, first
     tile multiplied, done), for the benchmark's timeline.
@@ -483,6 +515,7 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
         NBUF=slots_used(n, k, tc, ctas, ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out)),
         SILU_MUL=silu_mul, PARTS=partial,
         STAMP=stamps is not None, PRE=PREFETCH, PACE=PACE_AT.get((n, k), pace), SWIGLU=swiglu_out,
+        UNTIL_GO=PACE_UNTIL_GO,
         num_warps=4, maxnreg=MAXNREG[ntok], launch_pdl=True,
     )  # fmt: skip
     return out
