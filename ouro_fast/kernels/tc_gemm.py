@@ -98,8 +98,10 @@ PACE_AT = _per_shape("OURO_FAST_TC_PACE")
 # kernel's loads. H200 loop 0.852 / 0.962 ms at 1 / 8 rows against 0.879 / 0.997 unpaced; down paced was
 # slower (docs/benchmarks.md, twenty-seventh session).
 PACE_BESIDE = 2
-# OURO_FAST_TC_PACE_UNTIL_GO=1 (A/B runs): pause only while the PDL wait lasts, not after it is over.
-PACE_UNTIL_GO = os.environ.get("OURO_FAST_TC_PACE_UNTIL_GO", "0") == "1"
+# Pause only while the PDL wait lasts (a flag in shared memory that the x loader sets after it): a CTA that
+# starts after its predecessor has finished streams at once. H200 loop 0.848 / 0.958 ms at 1 / 8 rows against
+# 0.850 / 0.960 pausing regardless (twenty-eighth session). OURO_FAST_TC_PACE_UNTIL_GO=0: pause regardless.
+PACE_UNTIL_GO = os.environ.get("OURO_FAST_TC_PACE_UNTIL_GO", "1") != "0"
 # Registers a thread may take, for 8- and 16-wide token tiles ("A:B", or one value for both). Fewer at 8
 # leave room on a SM for the attention's and norms' CTAs beside the matmul's: a loop at 4 / 8 rows took
 # 0.991 / 1.038 ms with 112 against 1.054 / 1.078 with 128 (H200, context 160; nineteenth session).
