@@ -99,8 +99,9 @@ PACE_AT = _per_shape("OURO_FAST_TC_PACE")
 # slower (docs/benchmarks.md, twenty-seventh session).
 PACE_BESIDE = 2
 # Pause only while the PDL wait lasts (a flag in shared memory that the x loader sets after it): a CTA that
-# starts after its predecessor has finished streams at once. H200 loop 0.848 / 0.958 ms at 1 / 8 rows against
-# 0.850 / 0.960 pausing regardless (twenty-eighth session). OURO_FAST_TC_PACE_UNTIL_GO=0: pause regardless.
+# starts after its predecessor has finished streams at once. H200 loop 0.846-0.848 / 0.956-0.959 ms at 1 / 8
+# rows against 0.848-0.850 / 0.958-0.961 pausing regardless (three rounds, twenty-eighth session).
+# OURO_FAST_TC_PACE_UNTIL_GO=0: pause regardless.
 PACE_UNTIL_GO = os.environ.get("OURO_FAST_TC_PACE_UNTIL_GO", "1") != "0"
 # Registers a thread may take, for 8- and 16-wide token tiles ("A:B", or one value for both). Fewer at 8
 # leave room on a SM for the attention's and norms' CTAs beside the matmul's: a loop at 4 / 8 rows took
