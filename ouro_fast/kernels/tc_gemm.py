@@ -7,6 +7,9 @@ drains the weight stream at its end (docs/benchmarks.md, fifth to seventh sessio
   attention, the tail of another matmul) still runs, this one's first tiles are already on their way;
 - an activation warp lets the next kernel launch (before its wait with pdl.EARLY), waits for the
   predecessor (griddepcontrol.wait) and TMA-loads the x chunk of each tile (rows past M read as zeros);
+- with `pace`, the weight loader sleeps 500 x pace ns before each of its first tiles after the first while the
+  PDL wait lasts (a flag the activation warp sets in shared memory), so that its burst does not queue ahead of
+  the running kernel's own loads;
 - one warpgroup runs one wgmma (64 x NTOK x TC, both operands from shared memory) per tile;
 - the grid is balanced: each CTA owns one contiguous range of the weight's tiles numbered group-major
   (a group: 64 output features over all of K). A group split between CTAs is summed in a fixed order by
