@@ -13,6 +13,8 @@ OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE, OURO_FAST_E
 run one process per setting, e.g.
 
     for v in "" skinny norm; do OURO_FAST_PDL_PLAIN=$v python3 bench/gpu/step_bench.py --tag "$v"; done
+
+or through bench/gpu/loop_ab.py, which alternates rounds and prints one table.
 """
 
 from __future__ import annotations
