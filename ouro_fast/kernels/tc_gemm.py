@@ -213,36 +213,12 @@ if HAVE_GLUON:
             gl.store(ts_ptr + gl.program_id(0) * 4 + k, global_timer())
 
     @gluon.jit
-    def _nap(asm: gl.constexpr):
-        gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _nap_if(asm: gl.constexpr, flag):
-        gl.inline_asm_elementwise(asm, "=r,r", [flag], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _pause(PACE: gl.constexpr):
-        # PACE x 500 ns (0-4) of this warp's time, without a busy loop.
-        if PACE == 1:
-            _nap("nanosleep.u32 500; mov.u32 $0, 0;")
-        elif PACE == 2:
-            _nap("nanosleep.u32 1000; mov.u32 $0, 0;")
-        elif PACE == 3:
-            _nap("nanosleep.u32 1500; mov.u32 $0, 0;")
-        elif PACE == 4:
-            _nap("nanosleep.u32 2000; mov.u32 $0, 0;")
-
-    @gluon.jit
-    def _pause_while(waiting, PACE: gl.constexpr):
-        # As _pause, only where `waiting` (this warp's read of the PDL-wait flag) is 0: the wait lasts.
-        if PACE == 1:
-            _nap_if("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p nanosleep.u32 500; mov.u32 $0, 0; }", waiting)
-        elif PACE == 2:
-            _nap_if("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p nanosleep.u32 1000; mov.u32 $0, 0; }", waiting)
-        elif PACE == 3:
-            _nap_if("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p nanosleep.u32 1500; mov.u32 $0, 0; }", waiting)
-        elif PACE == 4:
-            _nap_if("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p nanosleep.u32 2000; mov.u32 $0, 0; }", waiting)
+    def _pause(waiting, PACE: gl.constexpr):
+        # PACE x 500 ns (1-4) of this warp's time, without a busy loop, where `waiting` (this warp's read of
+        # the PDL-wait flag, or 0 to pause regardless) is 0.
+        ns = gl.full([1], PACE * 500, gl.int32, _FLAG1)
+        asm: gl.constexpr = "{ .reg .pred p; setp.eq.s32 p, $1, 0; @p nanosleep.u32 $2; mov.u32 $0, 0; }"
+        gl.inline_asm_elementwise(asm, "=r,r,r", [waiting, ns], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _range(T, G):
@@ -264,9 +240,9 @@ if HAVE_GLUON:
             if PACE > 0:  # noqa: SIM102 (a constexpr branch)
                 if (i > 0) & (i < PRE) & (i < NBUF):
                     if UNTIL_GO:  # only while the PDL wait lasts (the x loader sets `gone` after it)
-                        _pause_while(gone.load(_FLAG1), PACE)
+                        _pause(gone.load(_FLAG1), PACE)
                     else:
-                        _pause(PACE)
+                        _pause(gl.zeros([1], gl.int32, _FLAG1), PACE)
             slot = i % NBUF
             mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes phase 1
             t = lo + i
