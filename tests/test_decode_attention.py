@@ -339,6 +339,34 @@ def test_fused_decode_loads_its_first_tile_before_the_wait_bit_for_bit(monkeypat
     check_fused(case, 4, {"NUM_SPLITS": splits, "BLOCK_N": 16}, torch.bfloat16)
 
 
+def test_fused_decode_caps_registers_at_few_rows(monkeypatch):
+    # The cap is a GPU compile option: up to CAP_ROWS rows by default, one value for all rows from the
+    # environment, none with 0, and never under the interpreter.
+    fd = fused_decode
+    monkeypatch.setattr(fd, "interpreting", lambda: False)
+    monkeypatch.setattr(fd, "_REGS", "")
+    assert fd.maxnreg(1) == fd.maxnreg(fd.CAP_ROWS) == {"maxnreg": fd.CAP_REGS}
+    assert fd.maxnreg(fd.CAP_ROWS + 1) == fd.maxnreg(16) == {}
+    monkeypatch.setattr(fd, "_REGS", "96")
+    assert fd.maxnreg(1) == fd.maxnreg(16) == {"maxnreg": 96}
+    monkeypatch.setattr(fd, "_REGS", "0")
+    assert fd.maxnreg(1) == {}
+    monkeypatch.setattr(fd, "_REGS", "")
+    monkeypatch.setattr(fd, "interpreting", lambda: True)
+    assert fd.maxnreg(1) == {}
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="register caps are a GPU compile option (none under the interpreter)")
+@pytest.mark.usefixtures("nan_scratch")
+@pytest.mark.parametrize("regs", ["", "0", "96"], ids=["default", "uncapped", "cap96"])
+@pytest.mark.parametrize("contexts", [[70], [1, 70]], ids=["1row", "2rows"])
+def test_fused_decode_capped_registers_bit_for_bit(monkeypatch, regs, contexts):
+    # Ouro's heads at 1 and 2 rows with the default config: capped or not, the three launches' bits.
+    monkeypatch.setattr(fused_decode, "_REGS", regs)
+    case = rope_case(contexts, 16, 16, 16, 128, torch.bfloat16, seed=7 + len(contexts))
+    check_fused(case, 16, None, torch.bfloat16)
+
+
 def test_fused_decode_launches_plainly_without_pdl():
     # Off CUDA (or before Hopper) there is no PDL: never the attribute, whatever the grid.
     if DEV == "cpu":

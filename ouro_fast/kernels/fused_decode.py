@@ -326,7 +326,7 @@ def fused_decode_attention(
         cos_sin.stride(0), block_tables.stride(0), stride_p,
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
         D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
-        USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv(q.device, r * hkv), **_MAXNREG,
+        USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv(q.device, r * hkv), **maxnreg(r),
     )  # fmt: skip
     return out
 
@@ -377,9 +377,20 @@ def early_kv(device: torch.device, row_heads: int) -> bool:
 
 
 _PDL_LAUNCH = os.environ.get("OURO_FAST_FUSED_DECODE_PDL", "")
-# Registers a thread may take (A/B runs; unset: the compiler's choice).
+# Registers a thread may take at up to CAP_ROWS rows: 128 (10.75 K a CTA uncapped, 168 a thread, 8 K capped;
+# no spills, offline with triton 3.6, where a cap of 144 compiles to 128 too). Any cap from 96 to 144 made the
+# H200 loop faster at 1 and 2 rows (128: 0.8441 / 0.8594 ms against 0.8516 / 0.8714) and slower at 4 and 8
+# (0.9207 / 0.9782 against 0.9106 / 0.9673; twenty-ninth session).
+CAP_REGS, CAP_ROWS = 128, 2
+# OURO_FAST_ATTN_MAXNREG (A/B runs): one cap at every row count; 0: the compiler's choice everywhere.
 _REGS = os.environ.get("OURO_FAST_ATTN_MAXNREG", "")
-_MAXNREG = {"maxnreg": int(_REGS)} if _REGS else {}
+
+
+def maxnreg(rows: int) -> dict:
+    """The launch's `maxnreg` keyword for a decode of `rows` rows: {} leaves the registers to the compiler
+    (and under the interpreter, which has no registers)."""
+    regs = int(_REGS) if _REGS else (CAP_REGS if rows <= CAP_ROWS else 0)
+    return {"maxnreg": regs} if regs and not interpreting() else {}
 
 # Measured on the H200 (eighteenth session): a loop takes 0.912 / 1.070 ms at 1 / 8 rows with the early loads
 # against 0.975 / 1.134 without; at 16 rows, a plain launch, they were slower (1.336 against 1.306).
