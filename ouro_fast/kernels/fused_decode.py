@@ -392,6 +392,7 @@ def maxnreg(rows: int) -> dict:
     regs = int(_REGS) if _REGS else (CAP_REGS if rows <= CAP_ROWS else 0)
     return {"maxnreg": regs} if regs and not interpreting() else {}
 
+
 # Measured on the H200 (eighteenth session): a loop takes 0.912 / 1.070 ms at 1 / 8 rows with the early loads
 # against 0.975 / 1.134 without; at 16 rows, a plain launch, they were slower (1.336 against 1.306).
 EARLY_KV = os.environ.get("OURO_FAST_EARLY_KV", "1") != "0"
