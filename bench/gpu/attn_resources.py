@@ -63,49 +63,11 @@ def resources(block_n: int, warps: int, early: int, splits: int = 8, maxnreg: in
             "registers_per_cta": regs * 32 * warps, "triton": triton.__version__}  # fmt: skip
 
 
-def _usage(kernel) -> tuple[int, int, int]:
-    # (registers a thread, stack bytes, shared bytes) of a compiled kernel, by triton's own cuobjdump.
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", usage)
-    if found is None:
-        raise RuntimeError(f"no resource line in cuobjdump's output: {usage[-300:]}")
-    return tuple(int(v) for v in found.groups())
-
-
-def merge_o_proj_resources(rows: int, splits: int, bn: int, hpp: int, w_mode: int, warps: int) -> dict:
-    """kernels/merge_o_proj.py's kernel at Ouro-1.4B's o_proj (16 heads of 128, bf16), compiled for sm_90."""
-    from ouro_fast.kernels import merge_o_proj  # noqa: PLC0415
-
-    const = dict(ROWS=rows, RP2=triton.next_power_of_2(rows), NUM_HEADS=16, HEAD_DIM=128,
-                 NUM_SPLITS=splits, HPP=hpp, BN=bn, W_MODE=w_mode, LINE=64, DTYPE=triton.language.bfloat16,
-                 IEEE=False, INTERPRETED=False, USE_PDL=True)  # fmt: skip
-    ptrs = dict(w_ptr="*bf16", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", len_ptr="*i32", tok_ptr="*i32",
-                out_ptr="*fp32", N="i32", stride_w="i32", stride_os="i32", stride_ot="i32")  # fmt: skip
-    sig = {**ptrs, **{k: "constexpr" for k in const}}
-    names = list(sig)
-    src = ASTSource(merge_o_proj._merge_o_proj_kernel, sig, {(names.index(k),): v for k, v in const.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    regs, stack, shared = _usage(kernel)
-    return {"kernel": "merge_o_proj", "rows": rows, "splits": splits, "bn": bn, "hpp": hpp, "w_mode": w_mode,
-            "warps": warps, "registers": regs, "stack_bytes": stack, "shared_bytes": shared,
-            "registers_per_cta": regs * 32 * warps, "triton": triton.__version__}  # fmt: skip
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--settings", nargs="+", default=["16:2:1", "16:2:0"], help="BLOCK_N:WARPS:EARLY_KV")
     ap.add_argument("--maxnreg", type=int, help="registers a thread may take (triton's maxnreg)")
-    ap.add_argument("--merge-o-proj", nargs="*", metavar="ROWS:SPLITS:BN:HPP:W_MODE:WARPS",
-                    help="compile kernels/merge_o_proj.py's kernel at these settings instead")  # fmt: skip
     args = ap.parse_args()
-    if args.merge_o_proj is not None:
-        for setting in args.merge_o_proj or ["1:16:128:2:1:8"]:
-            print(json.dumps(merge_o_proj_resources(*(int(v) for v in setting.split(":")))), flush=True)
-        return
     for setting in args.settings:
         block_n, warps, early = (int(v) for v in setting.split(":"))
         print(json.dumps(resources(block_n, warps, early, maxnreg=args.maxnreg)), flush=True)

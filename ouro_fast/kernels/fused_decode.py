@@ -65,7 +65,6 @@ from .decode_attention import (
     store_normalised,
     store_partial,
 )
-from .merge_o_proj import DeferredMerge
 from .pdl import pdl_enabled, pdl_enter
 from .rounding import round_to
 
@@ -191,7 +190,6 @@ def _fused_decode_kernel(
     USE_PDL: tl.constexpr,
     EARLY_KV: tl.constexpr,
     NO_MERGE: tl.constexpr = False,
-    DEFER: tl.constexpr = False,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
@@ -251,8 +249,6 @@ def _fused_decode_kernel(
     else:
         part = (row * NUM_HEADS + head) * NUM_SPLITS + split
         store_partial(acc_ptr, m_ptr, l_ptr, part, g_valid, m_i, l_i, acc, start < end, HEAD_DIM, D_P2)
-        if DEFER:  # o_proj merges (kernels/merge_o_proj.py)
-            return
         # Every thread's partial is stored before the (release) arrival is counted.
         tl.debug_barrier()
         counter = cnt_ptr + row * NUM_KV_HEADS + kv_head
@@ -281,8 +277,7 @@ def fused_decode_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
-    defer_merge: bool = False,
-) -> torch.Tensor | DeferredMerge:
+) -> torch.Tensor:
     """rope_write_kv then paged_decode_attention in one launch, bit for bit; returns out [N, Hq, D].
 
     q [N, Hq, D], k, v [N, Hkv, D]: UNROTATED projections (any row and head strides,
@@ -299,8 +294,6 @@ def fused_decode_attention(
     row untouched. With NUM_SPLITS > 1 it uses the same fp32 scratch as
     paged_decode_attention plus per-device arrival counters (allocated on the first
     call of a shape; never during CUDA-graph capture).
-    defer_merge: with NUM_SPLITS > 1, store the slices' partials and return them unmerged (a DeferredMerge,
-    for merge_o_proj.merged_o_proj) instead of out; with one split, out as always.
     """
     parts, stride_p = (q.shape[0], q.stride(0)) if q.dim() == 4 else (0, 0)
     if parts:
@@ -322,8 +315,7 @@ def fused_decode_attention(
     splits = cfg["NUM_SPLITS"]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc, m, lsum = partials_scratch(r, hq, splits, d, q.device)
-    defer = defer_merge and splits > 1
-    counters = _COUNTERS.get(q.device, r * hkv) if splits > 1 and not defer else acc
+    counters = _COUNTERS.get(q.device, r * hkv) if splits > 1 else acc
     early = pdl_launch_ok(q.device, r * hkv)
     _fused_decode_kernel[(r, hkv, splits)](
         q, k, v, out, k_cache, v_cache, slot_mapping, positions, cos_sin, block_tables,
@@ -337,10 +329,8 @@ def fused_decode_attention(
         D_P2=next_pow2(d), PAGE=block_size, PARTS=min(parts, 1) if TIMING_ONE_SLOT else parts,
         INTERPRETED=interpreting(), **cfg,
         USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv(q.device, r * hkv), **maxnreg(r),
-        NO_MERGE=TIMING_NO_MERGE, DEFER=defer,
+        NO_MERGE=TIMING_NO_MERGE,
     )  # fmt: skip
-    if defer:
-        return DeferredMerge(acc, m, lsum, row_len, row_tok_off, n, hq, d, splits, dt)
     return out
 
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import add_rms_norm, merge_o_proj, rms_norm, tc_gemm
-from ..kernels.merge_o_proj import DeferredMerge, merged_o_proj
+from ..kernels import add_rms_norm, rms_norm, tc_gemm
 from ..kernels.skinny_gemm import skinny_linear
 from .ouro import OuroForCausalLM
 
@@ -57,8 +56,6 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
     layers, eps = model.model.layers, cfg.rms_norm_eps
     n, hq, hkv, d = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkv_partial = getattr(attn, "takes_partials", lambda: False)()  # the fused decode attention adds them
-    # Only the fused decode attention can defer its merge; its partials then go to merged_o_proj.
-    defer = {"defer_merge": True} if qkv_partial and merge_o_proj.applies(attn.batch.row_len.shape[0]) else {}
     x = rms_norm(h, layers[0].input_layernorm.weight, eps)
     for i, layer in enumerate(layers):
         sa, mlp = layer.self_attn, layer.mlp
@@ -66,11 +63,8 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
         qkv = linear(x, sa.qkv_weight, partial=qkv_partial, pace=tc_gemm.PACE_BESIDE)
         q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
         lead = qkv.shape[:-1]  # [N], or [S, N] for partial products
-        o = attn(i, q.view(*lead, hq, d), k.view(*lead, hkv, d), v.view(*lead, hkv, d), **defer)
-        if isinstance(o, DeferredMerge):  # o_proj merges the attention's slices (kernels/merge_o_proj.py)
-            a = merged_o_proj(o, sa.o_proj.weight)
-        else:
-            a = linear(o.reshape(n, hq * d), sa.o_proj.weight, partial=True, pace=tc_gemm.PACE_BESIDE)
+        o = attn(i, q.view(*lead, hq, d), k.view(*lead, hkv, d), v.view(*lead, hkv, d)).reshape(n, hq * d)
+        a = linear(o, sa.o_proj.weight, partial=True, pace=tc_gemm.PACE_BESIDE)
         h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
         out = mlp_partial(m, mlp)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight

@@ -108,10 +108,7 @@ class TritonPagedAttention:
         (the fused decode kernel adds them)."""
         return self.batch.max_q_len == 1 and self.applies_rope and FUSED_DECODE
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 defer_merge: bool = False) -> torch.Tensor:  # fmt: skip
-        """The attention output [N, Hq, D]; with defer_merge, a fused decode call may instead return its
-        unmerged partials (kernels/merge_o_proj.DeferredMerge) for o_proj to merge."""
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
         kc, vc = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
         meta = (b.block_tables, b.row_q_start, b.row_len, b.row_tok_off, self.block_size)
@@ -121,9 +118,8 @@ class TritonPagedAttention:
         if self.takes_partials():
             # Decode-only call: one launch instead of three (each launch costs ~2-3 us of latency).
             return fused_decode_attention(
-                q, k, v, kc, vc, b.slot_mapping, b.positions, self.cos_sin, *meta, scale,
-                defer_merge=defer_merge,
-            )  # fmt: skip
+                q, k, v, kc, vc, b.slot_mapping, b.positions, self.cos_sin, *meta, scale
+            )
         positions = b.positions if self.applies_rope else None
         # Rotating in place is safe: q is a fresh projection output owned by this call.
         q = rope_write_kv(q, k, v, kc, vc, b.slot_mapping, positions, self.cos_sin, q_out=q)
