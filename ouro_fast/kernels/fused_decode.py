@@ -189,7 +189,6 @@ def _fused_decode_kernel(
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_KV: tl.constexpr,
-    NO_MERGE: tl.constexpr = False,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
@@ -242,7 +241,7 @@ def _fused_decode_kernel(
     if (split == NUM_SPLITS - 1) & (slot >= 0):
         _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_vcs, stride_vch,
                   HEAD_DIM, D_P2)  # fmt: skip
-    if (NUM_SPLITS == 1) | NO_MERGE:  # NO_MERGE: every slice writes its own (timing only: wrong results)
+    if NUM_SPLITS == 1:
         store_normalised(
             o_ptr, tok, head, g_valid, stride_on, stride_oh, acc, l_i, HEAD_DIM, D_P2, INTERPRETED
         )
@@ -326,10 +325,8 @@ def fused_decode_attention(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         cos_sin.stride(0), block_tables.stride(0), stride_p,
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
-        D_P2=next_pow2(d), PAGE=block_size, PARTS=min(parts, 1) if TIMING_ONE_SLOT else parts,
-        INTERPRETED=interpreting(), **cfg,
+        D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
         USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv(q.device, r * hkv), **maxnreg(r),
-        NO_MERGE=TIMING_NO_MERGE,
     )  # fmt: skip
     return out
 
@@ -399,13 +396,6 @@ def maxnreg(rows: int) -> dict:
 # Measured on the H200 (eighteenth session): a loop takes 0.912 / 1.070 ms at 1 / 8 rows with the early loads
 # against 0.975 / 1.134 without; at 16 rows, a plain launch, they were slower (1.336 against 1.306).
 EARLY_KV = os.environ.get("OURO_FAST_EARLY_KV", "1") != "0"
-
-# OURO_FAST_ATTN_TIMING_NO_MERGE=1 (step_bench A/B runs only; WRONG results): every slice writes its own
-# normalised output and none merges, to time the loop without the merge's stores, counter and loads.
-TIMING_NO_MERGE = os.environ.get("OURO_FAST_ATTN_TIMING_NO_MERGE", "") == "1"
-# OURO_FAST_ATTN_TIMING_ONE_SLOT=1 (the same, WRONG results): q, k, v read from qkv's first partial slot only,
-# to time the loop as if qkv handed the attention whole bf16 values.
-TIMING_ONE_SLOT = os.environ.get("OURO_FAST_ATTN_TIMING_ONE_SLOT", "") == "1"
 
 # Per device: the arrival counters (all zero between launches).
 _COUNTERS = ArrivalCounters("fused_decode_attention", _MIN_COUNTERS)
