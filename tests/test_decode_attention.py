@@ -446,3 +446,24 @@ def test_backend_keeps_prefill_calls_on_the_three_kernel_path(monkeypatch):
     rows = meta["row_tok_off"][meta["row_len"] > 0].long()
     torch.testing.assert_close(got[rows], expect[rows], **TOL[torch.float32])
     assert_same_bits(attn.kv_cache[0, 1], kc_ref)
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="the global timer is a GPU register")
+@pytest.mark.usefixtures("nan_scratch")
+def test_fused_decode_stamps_change_no_bit_and_are_ordered():
+    case = rope_case([1, 70, 0], 16, 16, 16, 128, torch.bfloat16, seed=5)
+    cfg = {"NUM_SPLITS": 16, "BLOCK_N": 16}
+    plain, _, _ = fused(case, 16, cfg)
+    stamps = torch.zeros(3 * 16 * 16, 8, dtype=torch.int64, device=DEV)
+    inputs = {**case, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}
+    got = fused_decode_attention(**inputs, block_size=16, config=cfg, stamps=stamps)
+    rows = case["row_len"] > 0
+    assert_same_bits(got[case["row_tok_off"][rows].long()], plain[case["row_tok_off"][rows].long()])
+    ts = stamps.view(3, 16, 16, 8)
+    ran = ts[:2]  # the padding row (2) stamps its start only
+    assert bool((ran[..., 0] > 0).all()) and bool((ts[2, ..., 2] == 0).all())
+    assert bool((ran[..., 2] >= ran[..., 0]).all() and (ran[..., 3] >= ran[..., 2]).all())
+    assert bool((ran[..., 4] >= ran[..., 3]).all())
+    merged = ran[..., 5] > 0
+    assert merged.sum(-1).eq(1).all()  # one merger per (row, head)
+    assert bool((ran[..., 5][merged] >= ran[..., 4][merged]).all())

@@ -33,7 +33,7 @@ def signature() -> dict:
     ptrs = dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", o_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16",
                 slot_ptr="*i64", pos_ptr="*i64", table_ptr="*fp32", bt_ptr="*i32", q_start_ptr="*i32",
                 len_ptr="*i32", tok_off_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
-                cnt_ptr="*i32")  # fmt: skip
+                cnt_ptr="*i32", ts_ptr="*i32")  # fmt: skip
     return {**ptrs, "num_pos": "i32", "scale_log2": "fp32", **{f"stride_{s}": "i32" for s in _STRIDES}}
 
 

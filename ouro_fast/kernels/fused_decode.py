@@ -124,6 +124,15 @@ def _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kc
 
 
 @triton.jit
+def _stamp(ts_row, k: tl.constexpr, STAMP: tl.constexpr):
+    # STAMP (benchmark timelines only): the global-timer time (ns) of event k, by the program's first thread.
+    if STAMP:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)  # fmt: skip
+        tl.store(ts_row + k, now)
+
+
+@triton.jit
 def _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh,
                  NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
@@ -159,6 +168,7 @@ def _fused_decode_kernel(
     m_ptr,
     l_ptr,
     cnt_ptr,
+    ts_ptr,
     num_pos,
     scale_log2,
     stride_qn,
@@ -189,6 +199,7 @@ def _fused_decode_kernel(
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_KV: tl.constexpr,
+    STAMP: tl.constexpr = False,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
@@ -196,6 +207,9 @@ def _fused_decode_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # STAMP (benchmark timelines): this program's row of ts [programs, 8] gets events 0-5 (below).
+    ts_row = ts_ptr + ((row * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split) * 8
+    _stamp(ts_row, 0, STAMP)  # start
     # Before the PDL wait (EARLY_KV): the step's metadata and this slice's first key/value tile, off the
     # critical path behind qkv. No kernel of the PDL chain writes them: the host's copies, the lanes'
     # prologue (a plain launch, done before the chain's first kernel starts) and earlier launches did.
@@ -216,7 +230,9 @@ def _fused_decode_kernel(
     if EARLY_KV:
         k0, v0 = load_kv_tile(kc_ptr, vc_ptr, bt_row, kv_head, start, end, stride_kcs, stride_kch, stride_vcs,
                               stride_vch, HEAD_DIM, D_P2, PAGE, BLOCK_N, PRE)  # fmt: skip
+        _stamp(ts_row, 1, STAMP)  # the early loads issued
         pdl_enter(USE_PDL)
+    _stamp(ts_row, 2, STAMP)  # the PDL wait over
 
     offs_g = tl.arange(0, GROUP_P2)
     g_valid = offs_g < GROUP
@@ -235,6 +251,7 @@ def _fused_decode_kernel(
     m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
                                  stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
                                  HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0)  # fmt: skip
+    _stamp(ts_row, 3, STAMP)  # the slice attended (q, k, v and the tiles arrived)
     # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
     # the last split, after its loop, so that under the interpreter (programs run in grid order)
     # every read of the launch precedes the write and the tests prove that none depends on it.
@@ -252,11 +269,13 @@ def _fused_decode_kernel(
         tl.debug_barrier()
         counter = cnt_ptr + row * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        _stamp(ts_row, 4, STAMP)  # the partial stored and the arrival counted
         if arrived == NUM_SPLITS - 1:
             _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh, NUM_HEADS,
                          GROUP, HEAD_DIM, D_P2, NUM_SPLITS, INTERPRETED)  # fmt: skip
             # Ready for the next launch: every program of this (row, KV head) has arrived.
             tl.atomic_xchg(counter, 0)
+            _stamp(ts_row, 5, STAMP)  # the merger: merged and stored
 
 
 def fused_decode_attention(
@@ -276,6 +295,7 @@ def fused_decode_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    stamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rope_write_kv then paged_decode_attention in one launch, bit for bit; returns out [N, Hq, D].
 
@@ -293,6 +313,9 @@ def fused_decode_attention(
     row untouched. With NUM_SPLITS > 1 it uses the same fp32 scratch as
     paged_decode_attention plus per-device arrival counters (allocated on the first
     call of a shape; never during CUDA-graph capture).
+    stamps (benchmark timelines, CUDA only): int64 [rows x KV heads x NUM_SPLITS, 8] that receives each
+    program's global-timer stamps: 0 start, 1 early loads issued, 2 PDL wait over, 3 slice attended, 4 arrival
+    counted, 5 merged (the merger only); bench/gpu/attn_timeline.py reads them.
     """
     parts, stride_p = (q.shape[0], q.stride(0)) if q.dim() == 4 else (0, 0)
     if parts:
@@ -318,7 +341,7 @@ def fused_decode_attention(
     early = pdl_launch_ok(q.device, r * hkv)
     _fused_decode_kernel[(r, hkv, splits)](
         q, k, v, out, k_cache, v_cache, slot_mapping, positions, cos_sin, block_tables,
-        row_q_start, row_len, row_tok_off, acc, m, lsum, counters,
+        row_q_start, row_len, row_tok_off, acc, m, lsum, counters, counters if stamps is None else stamps,
         cos_sin.shape[0], scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
@@ -327,6 +350,7 @@ def fused_decode_attention(
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
         D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
         USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv(q.device, r * hkv), **maxnreg(r),
+        STAMP=stamps is not None,
     )  # fmt: skip
     return out
 
