@@ -273,8 +273,10 @@ def _fused_decode_kernel(
         if arrived == NUM_SPLITS - 1:
             _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh, NUM_HEADS,
                          GROUP, HEAD_DIM, D_P2, NUM_SPLITS, INTERPRETED)  # fmt: skip
-            # Ready for the next launch: every program of this (row, KV head) has arrived.
-            tl.atomic_xchg(counter, 0)
+            # Ready for the next launch: every program of this (row, KV head) has arrived. Relaxed: the
+            # launch's end orders it before the next launch's arrivals, and an acq_rel exchange would first
+            # wait for the merged stores above (~0.5 us on the chain, thirtieth session).
+            tl.atomic_xchg(counter, 0, sem=RESET_SEM)
             _stamp(ts_row, 5, STAMP)  # the merger: merged and stored
 
 
@@ -420,6 +422,9 @@ def maxnreg(rows: int) -> dict:
 # Measured on the H200 (eighteenth session): a loop takes 0.912 / 1.070 ms at 1 / 8 rows with the early loads
 # against 0.975 / 1.134 without; at 16 rows, a plain launch, they were slower (1.336 against 1.306).
 EARLY_KV = os.environ.get("OURO_FAST_EARLY_KV", "1") != "0"
+
+# The counter reset's memory order (OURO_FAST_ATTN_RESET_SEM=acq_rel: the order before the thirtieth session).
+RESET_SEM = tl.constexpr(os.environ.get("OURO_FAST_ATTN_RESET_SEM", "relaxed"))
 
 # Per device: the arrival counters (all zero between launches).
 _COUNTERS = ArrivalCounters("fused_decode_attention", _MIN_COUNTERS)
