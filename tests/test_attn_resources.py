@@ -27,6 +27,14 @@ def test_signature_names_every_runtime_argument_of_the_kernel():
     assert list(attn_resources.signature()) == runtime
 
 
+def test_constants_name_the_kernels_compile_time_parameters_in_order():
+    # They are passed by position: a gap would set the next one's value on the wrong parameter.
+    params = [p for p in attn_resources.fused_decode._fused_decode_kernel.arg_names if p.isupper()]
+    got = list(attn_resources.constants(16, 1, 8, 2))
+    assert got == params[: len(got)]
+    assert "EARLY_TILES" in got and "STAMP" in got
+
+
 def test_reports_registers_and_shared_memory_of_each_setting():
     # Its own process: other test modules run triton's interpreter, which compiles nothing.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
