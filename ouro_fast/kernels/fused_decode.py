@@ -67,6 +67,7 @@ from .decode_attention import (
 )
 from .pdl import pdl_enabled, pdl_enter
 from .rounding import round_to
+from .stamps import stamp
 
 # One counter per (row, KV head); 8192 covers 512 rows of 16 KV heads without growing.
 _MIN_COUNTERS = 8192
@@ -121,15 +122,6 @@ def _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kc
     slot = slot.to(tl.int64)
     tl.store(kc_ptr + slot * stride_kcs + kv_head * stride_kch + offs_d, k_new, mask=mask)
     tl.store(vc_ptr + slot * stride_vcs + kv_head * stride_vch + offs_d, v_new, mask=mask)
-
-
-@triton.jit
-def _stamp(ts_row, k: tl.constexpr, STAMP: tl.constexpr):
-    # STAMP (benchmark timelines only): the global-timer time (ns) of event k, by the program's first thread.
-    if STAMP:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                        pack=1)  # fmt: skip
-        tl.store(ts_row + k, now)
 
 
 @triton.jit
@@ -210,7 +202,7 @@ def _fused_decode_kernel(
     split = tl.program_id(2)
     # STAMP (benchmark timelines): this program's row of ts [programs, 8] gets events 0-5 (below).
     ts_row = ts_ptr + ((row * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split) * 8
-    _stamp(ts_row, 0, STAMP)  # start
+    stamp(ts_row + 0, STAMP)  # start
     # Before the PDL wait (EARLY_KV): the step's metadata and this slice's first key/value tile, off the
     # critical path behind qkv. No kernel of the PDL chain writes them: the host's copies, the lanes'
     # prologue (a plain launch, done before the chain's first kernel starts) and earlier launches did.
@@ -235,9 +227,9 @@ def _fused_decode_kernel(
             k1, v1 = load_kv_tile(kc_ptr, vc_ptr, bt_row, kv_head, start + BLOCK_N, end, stride_kcs,
                                   stride_kch, stride_vcs, stride_vch, HEAD_DIM, D_P2, PAGE, BLOCK_N,
                                   PRE)  # fmt: skip
-        _stamp(ts_row, 1, STAMP)  # the early loads issued
+        stamp(ts_row + 1, STAMP)  # the early loads issued
         pdl_enter(USE_PDL)
-    _stamp(ts_row, 2, STAMP)  # the PDL wait over
+    stamp(ts_row + 2, STAMP)  # the PDL wait over
 
     offs_g = tl.arange(0, GROUP_P2)
     g_valid = offs_g < GROUP
@@ -256,7 +248,7 @@ def _fused_decode_kernel(
     m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
                                  stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
                                  HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0, k1, v1)  # fmt: skip
-    _stamp(ts_row, 3, STAMP)  # the slice attended (q, k, v and the tiles arrived)
+    stamp(ts_row + 3, STAMP)  # the slice attended (q, k, v and the tiles arrived)
     # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
     # the last split, after its loop, so that under the interpreter (programs run in grid order)
     # every read of the launch precedes the write and the tests prove that none depends on it.
@@ -274,7 +266,7 @@ def _fused_decode_kernel(
         tl.debug_barrier()
         counter = cnt_ptr + row * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        _stamp(ts_row, 4, STAMP)  # the partial stored and the arrival counted
+        stamp(ts_row + 4, STAMP)  # the partial stored and the arrival counted
         if arrived == NUM_SPLITS - 1:
             _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh, NUM_HEADS,
                          GROUP, HEAD_DIM, D_P2, NUM_SPLITS, INTERPRETED)  # fmt: skip
@@ -282,7 +274,7 @@ def _fused_decode_kernel(
             # launch's end orders it before the next launch's arrivals, and an acq_rel exchange would first
             # wait for the merged stores above (~0.5 us on the chain, thirtieth session).
             tl.atomic_xchg(counter, 0, sem=RESET_SEM)
-            _stamp(ts_row, 5, STAMP)  # the merger: merged and stored
+            stamp(ts_row + 5, STAMP)  # the merger: merged and stored
 
 
 def fused_decode_attention(

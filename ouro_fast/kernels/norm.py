@@ -16,6 +16,7 @@ import triton.language as tl
 from ._util import check_float, check_same_dtype, interpreting, next_pow2
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
+from .stamps import stamp
 
 
 @triton.jit
@@ -51,12 +52,8 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _stamp(ts_ptr, k: tl.constexpr, STAMP: tl.constexpr):
-    # STAMP (benchmark timelines only): this program's global-timer time (ns) of event k (0 start,
-    # 1 PDL wait over, 2 done).
-    if STAMP:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                        pack=1)  # fmt: skip
-        tl.store(ts_ptr + tl.program_id(0) * 4 + k, now)
+    # STAMP (benchmark timelines only): this program's time of event k (0 start, 1 PDL wait over, 2 done).
+    stamp(ts_ptr + tl.program_id(0) * 4 + k, STAMP)
 
 
 @triton.jit
