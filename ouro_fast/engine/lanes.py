@@ -9,9 +9,8 @@ so launches can run ahead of the exit read-back (engine/runahead.py replays the
 recorded results into the scheduler one launch behind).
 
 Per launch the device writes one record per lane, [loop, exited, sampled id,
-active], into a ring in pinned host memory (a lane launch's epilogue stores them there,
-a riders' launch's last kernel; with OURO_FAST_RECORDS_COPY=1 a copy on the stream does,
-for A/B runs). A lane stops on the
+active], into a ring in pinned host memory (its last kernel stores them there; with
+OURO_FAST_RECORDS_COPY=1 a copy on the stream does, for A/B runs). A lane stops on the
 device when it samples one of its stop ids or reaches its length cap (the same
 rules as the engine), or when the host kills it (stop strings, aborts).
 
@@ -39,10 +38,6 @@ MAX_STOP_IDS = 8  # stop token ids a lane checks on the device; requests with mo
 RING = 4  # launches whose records can be in flight to the host
 # The launch's last kernel stores its records in the host ring (the default), or a copy after it does (A/B).
 RECORDS_COPY = os.environ.get("OURO_FAST_RECORDS_COPY", "") == "1"
-# A lane launch's epilogue stores them there itself (the default), or a publish kernel after it does, as a
-# riders' launch always does (OURO_FAST_RECORDS_KERNEL=1, for A/B runs): one kernel fewer on the chain.
-RECORDS_KERNEL = os.environ.get("OURO_FAST_RECORDS_KERNEL", "") == "1"
-EPILOGUE_PUBLISHES = not (RECORDS_COPY or RECORDS_KERNEL)
 
 
 class DecodeLanes:
@@ -86,7 +81,6 @@ class DecodeLanes:
         pin = dev.type == "cuda"
         self.host_records = torch.zeros(RING, r, 4, dtype=torch.int64, pin_memory=pin)
         self.emitted = torch.zeros(1, **i64)  # launches since start() on the device: the ring slot
-        self.ring_slot = torch.zeros(1, **i64)  # this launch's ring slot, for the epilogues (lane_prologue)
         self.events = [torch.cuda.Event() if pin else None for _ in range(RING)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.rows = 0
@@ -300,8 +294,7 @@ class DecodeLanes:
 
         bs, kill = self.block_size, self.inputs.dev["kill"][:rows]
         embed = self.model.model.embed_tokens.weight
-        pub = EPILOGUE_PUBLISHES
-        h, tables, slot, q_start, run, seeds = lane_prologue(self, kill, embed, rows, bs, publish=pub)
+        h, tables, slot, q_start, run, seeds = lane_prologue(self, kill, embed, rows, bs)
         self.attn.batch = TritonBatch(slot, self.pos[:rows], tables, q_start, run, self.tok_off[:rows], 1)
         x = run_loop_fused(self.model, h, self.attn)
         # The host-driven step's log-survival kernel code, so exits match it bit for bit.
@@ -312,11 +305,10 @@ class DecodeLanes:
         vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
         ids = sample_gumbel(logits, self.temp[:rows], seeds, GREEDY_EPS, vocab, row_gate=exits)
         src, dst = self.prop_src[: (self.num_loops - 1) * rows], self.prop_dst[: (self.num_loops - 1) * rows]
-        lane_epilogue(self, run, slot, log_surv, exits, ids, x, rows, bs, src, dst, publish=pub)
+        lane_epilogue(self, run, slot, log_surv, exits, ids, x, rows, bs, src, dst)
         # Last-exited propagation: the exit plane's K/V into every deeper plane, in this launch.
         propagate_kv(self.runner.kv_cache, src, dst)
-        if not pub:
-            self._publish(rows)
+        self._publish(rows)
 
     def _lm_head(self, x: torch.Tensor, exits: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab]. Up to SKINNY_MAX_M lanes a launch where no lane exits skips the

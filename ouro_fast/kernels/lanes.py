@@ -6,10 +6,8 @@ loop, its block table for that loop, its hidden input (the token's embedding at 
 log-survival (kernels/exit_gate.py) and the exit decision (the rule of
 model/exit_rule.exit_mask), before the lm_head so that a launch where no lane exits can skip it.
 lane_epilogue: per lane, the propagation pairs of an exit, the launch record, the stop
-check and the next state, and (a lane launch) the record into the host ring too, whose
-slot the prologue counted. publish_records stores a riders' launch's records after its
-epilogues instead. One program per lane each; about a hundred tiny PyTorch launches
-otherwise, which cost more GPU time than the loop's attention.
+check and the next state. One program per lane each; about a hundred tiny PyTorch
+launches otherwise, which cost more GPU time than the loop's attention.
 """
 
 from __future__ import annotations
@@ -44,9 +42,8 @@ def _lane_head(r, active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tables_ptr
 def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, launches_ptr,
                      tables_ptr, stride_ts, stride_tl, h_lane_ptr, embed_ptr, stride_hl, stride_e,
                      h_out_ptr, bt_out_ptr, slot_out_ptr, qstart_out_ptr, run_out_ptr, seed_out_ptr,
-                     emitted_ptr, ring_slot_ptr, MB, HIDDEN, seed_base, BS: tl.constexpr, T: tl.constexpr,
-                     BLOCK_MB: tl.constexpr, BLOCK_H: tl.constexpr, RING: tl.constexpr,
-                     PUBLISH: tl.constexpr):  # fmt: skip
+                     MB, HIDDEN, seed_base, BS: tl.constexpr, T: tl.constexpr, BLOCK_MB: tl.constexpr,
+                     BLOCK_H: tl.constexpr):  # fmt: skip
     # A plain launch, done before the loop's PDL chain starts: the fused decode attention reads its
     # block tables and slots before its wait (kernels/fused_decode.py, early_kv).
     r = tl.program_id(0)
@@ -60,12 +57,6 @@ def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr
     seed = seed_base + launch * 0x2545F4914F6CDD1D + r.to(tl.int64) * 0x5851F42D4C957F2D
     seed = seed & 0x3FFFFFFFFFFFFFFF
     tl.store(seed_out_ptr + r, seed)
-    # PUBLISH: the host ring's slot for this launch's records (the epilogues store them there), counted here,
-    # where no other program of the launch reads the count.
-    if PUBLISH & (r == 0):
-        count = tl.load(emitted_ptr)
-        tl.store(ring_slot_ptr, count % RING)
-        tl.store(emitted_ptr, count + 1)
     # Loop 0 starts from the token's embedding; later loops from the state the last loop left.
     tok = tl.load(tok_ptr + r)
     for start in range(0, HIDDEN, BLOCK_H):
@@ -101,9 +92,8 @@ def _exits_kernel(run_ptr, loop_ptr, ls_ptr, x_ptr, stride_x, w_ptr, b_ptr, lo_p
 def _epilogue_kernel(run_ptr, slot_ptr, log_surv_ptr, exits_ptr, ids_ptr, x_ptr, stride_x,
                      loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, cap_ptr, stop_ptr,
                      ls_ptr, active_ptr, h_lane_ptr, stride_hl, launches_ptr, tables_ptr, stride_ts,
-                     stride_tl, record_ptr, src_ptr, dst_ptr, host_ptr, ring_slot_ptr, stride_slot, R, HIDDEN,
-                     BS: tl.constexpr, T: tl.constexpr, NUM_STOP: tl.constexpr, BLOCK_H: tl.constexpr,
-                     PUBLISH: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+                     stride_tl, record_ptr, src_ptr, dst_ptr, R, HIDDEN, BS: tl.constexpr, T: tl.constexpr,
+                     NUM_STOP: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     pdl_enter(USE_PDL)  # ids are the sampler's output
     r = tl.program_id(0)
     run = tl.load(run_ptr + r) != 0
@@ -126,12 +116,6 @@ def _epilogue_kernel(run_ptr, slot_ptr, log_surv_ptr, exits_ptr, ids_ptr, x_ptr,
     tl.store(record_ptr + r * 4 + 1, exits.to(tl.int64))
     tl.store(record_ptr + r * 4 + 2, token)
     tl.store(record_ptr + r * 4 + 3, run.to(tl.int64))
-    if PUBLISH:  # straight into the host ring's slot (pinned memory): no publish kernel after this one
-        host = host_ptr + tl.load(ring_slot_ptr) * stride_slot + r * 4
-        tl.store(host, loop.to(tl.int64))
-        tl.store(host + 1, exits.to(tl.int64))
-        tl.store(host + 2, token)
-        tl.store(host + 3, run.to(tl.int64))
     # The engine's stop rules: a stop id sampled, or the length cap reached by the new token.
     stop = pos + 2 >= tl.load(cap_ptr + r)
     for e in tl.static_range(NUM_STOP):
@@ -150,12 +134,9 @@ def _epilogue_kernel(run_ptr, slot_ptr, log_surv_ptr, exits_ptr, ids_ptr, x_ptr,
         tl.store(launches_ptr, tl.load(launches_ptr) + 1)
 
 
-def lane_prologue(
-    lanes, kill: torch.Tensor, embed: torch.Tensor, rows: int, block_size: int, publish: bool = False
-):
+def lane_prologue(lanes, kill: torch.Tensor, embed: torch.Tensor, rows: int, block_size: int):
     """(h_in [rows, hidden], block tables [rows, MB] int32, slot int64, q_start int32, run int32,
-    seeds int64) of lanes [0, rows) for this launch; see DecodeLanes for the fields. publish: count the
-    launch in lanes.emitted and keep its host ring slot for lane_epilogue(publish=True)."""
+    seeds int64) of lanes [0, rows) for this launch; see DecodeLanes for the fields."""
     dev, hidden = lanes.h.device, lanes.h.shape[1]
     t, mb = lanes.tables.shape[1], lanes.tables.shape[2]
     h_in = torch.empty(rows, hidden, dtype=lanes.h.dtype, device=dev)
@@ -167,9 +148,8 @@ def lane_prologue(
     _prologue_kernel[(rows,)](
         lanes.active, kill, lanes.loop, lanes.pos, lanes.kvrow, lanes.tok, lanes.launches,
         lanes.tables, lanes.tables.stride(0), lanes.tables.stride(1), lanes.h, embed, lanes.h.stride(0),
-        embed.stride(0), h_in, bt, slot, q_start, run, seeds, lanes.emitted, lanes.ring_slot, mb, hidden,
-        lanes.seed, BS=block_size, T=t, BLOCK_MB=min(1024, next_pow2(mb)),
-        BLOCK_H=min(1024, next_pow2(hidden)), RING=lanes.host_records.shape[0], PUBLISH=publish,
+        embed.stride(0), h_in, bt, slot, q_start, run, seeds, mb, hidden, lanes.seed,
+        BS=block_size, T=t, BLOCK_MB=min(1024, next_pow2(mb)), BLOCK_H=min(1024, next_pow2(hidden)),
     )  # fmt: skip
     return h_in, bt, slot, q_start, run, seeds
 
@@ -189,21 +169,16 @@ def lane_exits(lanes, run, x, gate, rows: int) -> tuple[torch.Tensor, torch.Tens
     return log_surv, exits
 
 
-def lane_epilogue(
-    lanes, run, slot, log_surv, exits, ids, x, rows: int, block_size: int, src, dst, publish: bool = False
-) -> None:
-    """Record, propagation pairs (src/dst [(T-1) * rows]) and the next state of lanes [0, rows). publish:
-    the records go to the host ring too, in the slot this launch's lane_prologue(publish=True) counted
-    (otherwise publish_records after the epilogues stores them)."""
+def lane_epilogue(lanes, run, slot, log_surv, exits, ids, x, rows: int, block_size: int, src, dst) -> None:
+    """Record, propagation pairs (src/dst [(T-1) * rows]) and the next state of lanes [0, rows)."""
     hidden = lanes.h.shape[1]
     t, num_stop = lanes.tables.shape[1], lanes.stop_ids.shape[1]
-    ring = lanes.host_records
     _epilogue_kernel[(rows,)](
         run, slot, log_surv, exits, ids, x, x.stride(0), lanes.loop, lanes.pos, lanes.kvrow, lanes.tok,
         lanes.cap, lanes.stop_ids, lanes.ls, lanes.active, lanes.h,
         lanes.h.stride(0), lanes.launches, lanes.tables, lanes.tables.stride(0), lanes.tables.stride(1),
-        lanes.record, src, dst, ring, lanes.ring_slot, ring.stride(0), rows, hidden,
-        BS=block_size, T=t, NUM_STOP=num_stop, BLOCK_H=min(1024, next_pow2(hidden)), PUBLISH=publish,
+        lanes.record, src, dst, rows, hidden,
+        BS=block_size, T=t, NUM_STOP=num_stop, BLOCK_H=min(1024, next_pow2(hidden)),
         **pdl_launch(run.device, "lanes"),
     )  # fmt: skip
 
