@@ -37,20 +37,19 @@ def signature() -> dict:
     return {**ptrs, "num_pos": "i32", "scale_log2": "fp32", **{f"stride_{s}": "i32" for s in _STRIDES}}
 
 
-def constants(block_n: int, early: int, splits: int, tiles: int) -> dict:
+def constants(block_n: int, early: int, splits: int) -> dict:
     """The kernel's compile-time arguments, IN ITS ORDER: ASTSource takes them by position, so one left out
-    before another would shift it onto the wrong parameter (a STAMP set by EARLY_TILES, say)."""
+    before another would shift it onto the wrong parameter (a STAMP set by the one after it, say)."""
     return dict(NUM_HEADS=16, NUM_KV_HEADS=16, GROUP=1, GROUP_P2=1, HEAD_DIM=128, D_P2=128, PAGE=16,
                 BLOCK_N=block_n, NUM_SPLITS=splits, PARTS=3, INTERPRETED=False, USE_PDL=True,
-                EARLY_KV=bool(early), STAMP=False, EARLY_TILES=tiles)  # fmt: skip
+                EARLY_KV=bool(early), STAMP=False)  # fmt: skip
 
 
-def resources(block_n: int, warps: int, early: int, splits: int = 8, maxnreg: int | None = None,
-              tiles: int = 1) -> dict:  # fmt: skip
+def resources(block_n: int, warps: int, early: int, splits: int = 8, maxnreg: int | None = None) -> dict:
     """Compile one setting for sm_90; returns its registers a thread, spill stores and shared memory."""
     if interpreting():
         raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted, not compiled; unset it")
-    const = constants(block_n, early, splits, tiles)
+    const = constants(block_n, early, splits)
     sig = {**signature(), **{k: "constexpr" for k in const}}
     names = list(sig)
     src = ASTSource(fused_decode._fused_decode_kernel, sig, {(names.index(k),): v for k, v in const.items()})
@@ -65,7 +64,7 @@ def resources(block_n: int, warps: int, early: int, splits: int = 8, maxnreg: in
     if found is None:
         raise RuntimeError(f"no resource line in cuobjdump's output: {usage[-300:]}")
     regs, stack, shared = (int(v) for v in found.groups())
-    return {"block_n": block_n, "warps": warps, "early_kv": early, "tiles": tiles, "splits": splits,
+    return {"block_n": block_n, "warps": warps, "early_kv": early, "splits": splits,
             "maxnreg": maxnreg, "registers": regs, "stack_bytes": stack, "shared_bytes": shared,
             "registers_per_cta": regs * 32 * warps, "triton": triton.__version__}  # fmt: skip
 
@@ -75,11 +74,10 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=["16:2:1", "16:2:0"], help="BLOCK_N:WARPS:EARLY_KV")
     ap.add_argument("--maxnreg", type=int, help="registers a thread may take (triton's maxnreg)")
     ap.add_argument("--splits", type=int, default=8, help="NUM_SPLITS (8: the decode default from 8 rows)")
-    ap.add_argument("--tiles", type=int, default=1, help="K/V tiles loaded before the wait (EARLY_TILES)")
     args = ap.parse_args()
     for setting in args.settings:
         block_n, warps, early = (int(v) for v in setting.split(":"))
-        res = resources(block_n, warps, early, args.splits, maxnreg=args.maxnreg, tiles=args.tiles)
+        res = resources(block_n, warps, early, args.splits, maxnreg=args.maxnreg)
         print(json.dumps(res), flush=True)
 
 

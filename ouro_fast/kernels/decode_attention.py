@@ -79,14 +79,13 @@ def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_n
 def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, stride_ks, stride_kh,
                  stride_vs, stride_vh, new_pos, k_new, v_new, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SUBSTITUTE: tl.constexpr, k0=None, v0=None, k1=None, v1=None):  # fmt: skip
+                 SUBSTITUTE: tl.constexpr, k0=None, v0=None):  # fmt: skip
     """Online softmax of q [GROUP_P2, D_P2] (fp32) over positions [start, end); returns (m, l, acc).
 
     With SUBSTITUTE, the key and value at position new_pos are k_new, v_new [1, D_P2] (cache
     dtype) instead of the cache's: the fused decode writes that slot in the same launch.
     k0, v0: the first tile (positions [start, start + BLOCK_N)) already loaded by load_kv_tile, e.g. before
-    a PDL wait; the same updates in the same order as loading it here. k1, v1 (with k0): the second tile,
-    likewise (used only where the slice reaches it, as the loop would).
+    a PDL wait; the same updates in the same order as loading it here.
     """
     # Finite stand-in for -inf: an empty slice keeps it, and the merge weighs it exp2(-1e30 - m) = 0.
     m_i = tl.full([GROUP_P2], -1.0e30, tl.float32)
@@ -97,11 +96,6 @@ def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, s
         m_i, l_i, acc = attend_tile(q, k0, v0, start, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
                                     BLOCK_N, SUBSTITUTE)  # fmt: skip
         first = start + BLOCK_N
-    if k1 is not None:
-        if first < end:
-            m_i, l_i, acc = attend_tile(q, k1, v1, first, end, m_i, l_i, acc, scale_log2, new_pos, k_new,
-                                        v_new, BLOCK_N, SUBSTITUTE)  # fmt: skip
-        first = start + 2 * BLOCK_N
     # An empty slice (start >= kv_len) runs no iteration and leaves m = -1e30, l = 0.
     for n0 in range(first, end, BLOCK_N):
         k, v = load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs,

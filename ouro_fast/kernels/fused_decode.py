@@ -192,7 +192,6 @@ def _fused_decode_kernel(
     USE_PDL: tl.constexpr,
     EARLY_KV: tl.constexpr,
     STAMP: tl.constexpr = False,
-    EARLY_TILES: tl.constexpr = 1,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
@@ -219,14 +218,10 @@ def _fused_decode_kernel(
     start, end = slice_bounds(q_pos, split, NUM_SPLITS, BLOCK_N)
     cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, D_P2, PRE)
     bt_row = bt_ptr + row * stride_bt
-    k0, v0, k1, v1 = None, None, None, None  # without EARLY_KV, attend_slice loads the first tile itself
+    k0, v0 = None, None  # without EARLY_KV, attend_slice loads the first tile itself
     if EARLY_KV:
         k0, v0 = load_kv_tile(kc_ptr, vc_ptr, bt_row, kv_head, start, end, stride_kcs, stride_kch, stride_vcs,
                               stride_vch, HEAD_DIM, D_P2, PAGE, BLOCK_N, PRE)  # fmt: skip
-        if EARLY_TILES == 2:
-            k1, v1 = load_kv_tile(kc_ptr, vc_ptr, bt_row, kv_head, start + BLOCK_N, end, stride_kcs,
-                                  stride_kch, stride_vcs, stride_vch, HEAD_DIM, D_P2, PAGE, BLOCK_N,
-                                  PRE)  # fmt: skip
         stamp(ts_row + 1, STAMP)  # the early loads issued
         pdl_enter(USE_PDL)
     stamp(ts_row + 2, STAMP)  # the PDL wait over
@@ -247,7 +242,7 @@ def _fused_decode_kernel(
     new_pos = tl.where(slot >= 0, q_pos, -1)
     m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
                                  stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
-                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0, k1, v1)  # fmt: skip
+                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0)  # fmt: skip
     stamp(ts_row + 3, STAMP)  # the slice attended (q, k, v and the tiles arrived)
     # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
     # the last split, after its loop, so that under the interpreter (programs run in grid order)
@@ -349,7 +344,7 @@ def fused_decode_attention(
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
         D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
         USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv(q.device, r * hkv), **maxnreg(r),
-        STAMP=stamps is not None, EARLY_TILES=EARLY_TILES,
+        STAMP=stamps is not None,
     )  # fmt: skip
     return out
 
@@ -419,12 +414,6 @@ def maxnreg(rows: int) -> dict:
 # Measured on the H200 (eighteenth session): a loop takes 0.912 / 1.070 ms at 1 / 8 rows with the early loads
 # against 0.975 / 1.134 without; at 16 rows, a plain launch, they were slower (1.336 against 1.306).
 EARLY_KV = os.environ.get("OURO_FAST_EARLY_KV", "1") != "0"
-# K/V tiles a slice loads before the wait when EARLY_KV applies: 1, or 2 (OURO_FAST_EARLY_KV_TILES=2, for A/B
-# runs; not yet timed on the GPU). At 8 rows a slice of a 161-position context is two 16-wide tiles, and the
-# second arrived ~3.5 us later than at one row (thirtieth session's timeline). Compiled offline for sm_90
-# with triton 3.6 at 8 splits, the kernel then takes 209 registers a thread instead of 168 (128 capped, with
-# 296 bytes of spills; attn_resources.py --tiles 2).
-EARLY_TILES = int(os.environ.get("OURO_FAST_EARLY_KV_TILES", "1"))
 
 # The counter reset's memory order (OURO_FAST_ATTN_RESET_SEM=acq_rel: the order before the thirtieth session).
 RESET_SEM = tl.constexpr(os.environ.get("OURO_FAST_ATTN_RESET_SEM", "relaxed"))
