@@ -30,6 +30,7 @@ _STRIDES = ["qn", "qh", "kn", "kh", "vn", "vh", "on", "oh", "kcs", "kch", "vcs",
 
 def signature() -> dict:
     """The kernel's runtime arguments and their types, in order (decode: fp32 partial q/k/v, bf16 cache)."""
+    # ts_ptr: without stamps the launch passes the int32 counters there.
     ptrs = dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", o_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16",
                 slot_ptr="*i64", pos_ptr="*i64", table_ptr="*fp32", bt_ptr="*i32", q_start_ptr="*i32",
                 len_ptr="*i32", tok_off_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
