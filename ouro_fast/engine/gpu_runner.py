@@ -25,6 +25,7 @@ import torch
 
 from ..kernels import propagate_kv
 from ..kernels.exit_gate import gate_log_survival
+from ..kernels.precompile import precompile
 from ..model.exit_rule import exit_mask
 from ..model.fast_loop import run_loop_fused
 from ..model.ouro import OuroForCausalLM
@@ -302,6 +303,8 @@ class GpuModelRunner:
         caps = (self.max_rows, self.max_tokens)
         shapes = decode_shapes(*caps) + prefill_shapes(*caps)
         with torch.inference_mode():
+            # Every launch below once, compiling only: the variants compile side by side, not one by one.
+            precompile(lambda: self._launch_all(shapes, lanes))
             self._compile_prefill_attention(shapes[MAX_GRAPHS:])
             for shape in shapes[:MAX_GRAPHS]:
                 self._capture(shape)
@@ -310,6 +313,15 @@ class GpuModelRunner:
                     sorted(self.graphs))  # fmt: skip
         if lanes:
             self.lanes.capture()
+
+    def _launch_all(self, shapes: list[tuple[int, int, int]], lanes: bool) -> None:
+        """Launch once each kernel variant that capture() launches (precompile's walk)."""
+        self._compile_prefill_attention(shapes[MAX_GRAPHS:])
+        for shape in shapes[:MAX_GRAPHS]:
+            self._forward(*shape)
+        self._compile_host_kernels()
+        if lanes:
+            self.lanes.launch_all()
 
     def _compile_prefill_attention(self, shapes: list[tuple[int, int, int]]) -> None:
         """Compile the prefill attention variants the given (uncaptured, eager) step shapes use now:

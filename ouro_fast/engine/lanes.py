@@ -265,14 +265,29 @@ class DecodeLanes:
         lanes = (self.tok, self.pos, self.loop, self.active, self.h, self.ls, self.launches, self.ploop)
         return (*lanes, self.emitted)
 
+    def _lane_counts(self) -> list[int]:
+        # A graph for every power-of-two lane count, up to max_lanes.
+        return sorted({min(1 << i, self.max_lanes) for i in range(self.max_lanes.bit_length() + 1)})
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture the lane graphs for every power-of-two lane count (start-up); no lane active."""
         if self.runner.use_graphs:
             self.active.zero_()  # so that warm-up and capture write no K/V
-            for b in sorted({min(1 << i, self.max_lanes) for i in range(self.max_lanes.bit_length() + 1)}):
+            for b in self._lane_counts():
                 self._graph(b)
             self._compile_rider_kernels()
+
+    @torch.inference_mode()
+    def launch_all(self) -> None:
+        """Launch each lane step capture() captures, and the riders' kernels, once (precompile's walk);
+        the lane state is kept as it was."""
+        state = self._save()
+        self.active.zero_()
+        for b in self._lane_counts():
+            self._step(b)
+        self._compile_rider_kernels()
+        self._restore(state)
 
     def _compile_rider_kernels(self) -> None:
         """Compile the riders' two kernels now (on first use they would stall the first join by

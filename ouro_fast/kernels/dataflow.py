@@ -694,7 +694,9 @@ class DataflowLoop:
             INTERPRETED=serial, num_warps=_WARPS, num_stages=1,
         )  # fmt: skip
         if not serial:
-            self._check_resident(grid[0], _dataflow_kernel.warmup(*args, grid=grid, **meta))
+            kernel = _dataflow_kernel.warmup(*args, grid=grid, **meta)
+            # Inside kernels/precompile.py's walk the compile is a future: wait for it here.
+            self._check_resident(grid[0], kernel.result() if hasattr(kernel, "result") else kernel)
         _dataflow_kernel[grid](*args, **meta)
         if serial and bool((self.counters < 0).any()):
             raise RuntimeError("dataflow loop: a wait came before the work it waits for (counters marked)")

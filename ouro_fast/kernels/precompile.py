@@ -1,0 +1,74 @@
+"""Compile the Triton variants a start-up launches side by side, before it runs any of them.
+
+Triton compiles a kernel variant on its first launch, one after another: on a fresh H200 machine that was
+~22 s of the server's ~31 s start-up (docs/benchmarks.md, thirty-second session). `precompile(walk)` calls
+`walk` with every launch turned into a compile submitted to a thread pool (triton's AsyncCompileMode, with
+the launch's `warmup` flag: compile, do not run); the compiler's passes and ptxas release the GIL, so the
+variants compile in parallel, and the real warm-ups and captures after it find them in the kernel cache.
+The walk's torch ops still run, on outputs the skipped kernels never wrote: call it only where a warm-up
+would run anyway (start-up, over scratch state), never while steps are in flight.
+OURO_FAST_COMPILE_THREADS sets the pool's size (default: the CPUs, at most 16; 1 turns the walk off).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from ._util import interpreting
+
+logger = logging.getLogger("ouro_fast")
+_WALKING = threading.Lock()  # the patch below is process-wide: one walk at a time
+
+
+class _Pool(ThreadPoolExecutor):
+    """A thread pool that counts what it was given (AsyncCompileMode submits one compile per new variant)."""
+
+    submitted = 0
+
+    def submit(self, *args, **kwargs):
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+def compile_threads(environ=os.environ) -> int:
+    """The compile pool's size: OURO_FAST_COMPILE_THREADS, else the CPUs (at most 16)."""
+    value = environ.get("OURO_FAST_COMPILE_THREADS", "")
+    if value:
+        return max(int(value), 1)
+    return min(os.cpu_count() or 1, 16)
+
+
+def precompile(walk: Callable[[], None], threads: int | None = None) -> int:
+    """Run `walk` with its Triton launches compiled in parallel instead of run; return how many variants it
+    compiled (0, and `walk` not called, where that cannot help: the interpreter, one thread, an old triton).
+    A compile error is raised here, after the walk, as the launch would have raised it."""
+    threads = compile_threads() if threads is None else threads
+    if interpreting() or threads < 2:
+        return 0
+    import triton  # noqa: PLC0415 (only where kernels compile)
+    from triton.runtime.jit import JITFunction  # noqa: PLC0415
+
+    if not hasattr(triton, "AsyncCompileMode"):  # triton < 3.5
+        return 0
+    t0 = time.perf_counter()
+    with _WALKING, _Pool(threads, thread_name_prefix="triton-compile") as pool:
+        run = JITFunction.run
+
+        def compile_run(self, *args, grid, warmup, **kwargs):
+            return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+        JITFunction.run = compile_run
+        try:
+            # On exit it waits for every compile, files each in its kernel's cache and raises any error.
+            with triton.AsyncCompileMode(pool):
+                walk()
+        finally:
+            JITFunction.run = run
+    logger.info("compiled %d kernel variants on %d threads in %.1f s", pool.submitted, threads,
+                time.perf_counter() - t0)  # fmt: skip
+    return pool.submitted
