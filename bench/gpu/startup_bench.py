@@ -37,7 +37,8 @@ def ready(port: int) -> bool:
 
 def start_once(model: str, env: dict, port: int, log: Path, timeout: float) -> dict:
     """Launch the server, wait for /health, stop it with SIGINT; the seconds to ready and its log lines."""
-    cmd = [sys.executable, "-m", "ouro_fast.cli", "serve", "--model", model, "--port", str(port)]
+    # -P: the installed package (with its compiled core), not the source tree in the working directory.
+    cmd = [sys.executable, "-P", "-m", "ouro_fast.cli", "serve", "--model", model, "--port", str(port)]
     t0 = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
