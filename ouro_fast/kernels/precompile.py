@@ -1,12 +1,13 @@
 """Compile the Triton variants a start-up launches side by side, before it runs any of them.
 
-Triton compiles a kernel variant on its first launch, one after another: on a fresh H200 machine that was
-~22 s of the server's ~31 s start-up (docs/benchmarks.md, thirty-second session). `precompile(walk)` calls
-`walk` with every launch turned into a compile submitted to a thread pool (triton's AsyncCompileMode, with
-the launch's `warmup` flag: compile, do not run); the compiler's passes and ptxas release the GIL, so the
-variants compile in parallel, and the real warm-ups and captures after it find them in the kernel cache.
-The walk's torch ops still run, on outputs the skipped kernels never wrote: call it only where a warm-up
-would run anyway (start-up, over scratch state), never while steps are in flight.
+Triton compiles a kernel variant at its first launch, and builds its launcher (a C extension, with gcc),
+one after another: on a fresh H200 machine the server's start-up compiled 40 variants, ~18 s of its ~32 s
+(docs/benchmarks.md, thirty-second session). `precompile(walk)` calls `walk` with every launch turned into
+a compile submitted to a thread pool (triton's AsyncCompileMode, with the launch's `warmup` flag: compile,
+do not run), which also builds the launcher and loads the binary; the compiler's passes, ptxas and gcc
+release the GIL, so the variants get ready in parallel, and the warm-ups and captures after the walk find
+them in the kernel cache. The walk's torch ops still run, on outputs the skipped kernels never wrote: call
+it only where a warm-up would run anyway (start-up, over scratch state), never while steps are in flight.
 OURO_FAST_COMPILE_THREADS sets the pool's size (default: the CPUs, at most 16; 1 turns the walk off).
 """
 
@@ -26,13 +27,34 @@ _WALKING = threading.Lock()  # the patch below is process-wide: one walk at a ti
 
 
 class _Pool(ThreadPoolExecutor):
-    """A thread pool that counts what it was given (AsyncCompileMode submits one compile per new variant)."""
+    """The compile threads: each compile also readies its kernel to launch (see _compile_and_load); counts
+    what it was given (AsyncCompileMode submits one compile per new variant)."""
 
     submitted = 0
 
-    def submit(self, *args, **kwargs):
+    def __init__(self, threads: int, load: bool):
+        from triton.runtime import driver  # noqa: PLC0415
+
+        device = driver.active.get_current_device()
+        set_device = getattr(driver.active, "set_current_device", None)  # a kernel loads on the current one
+        super().__init__(
+            threads, thread_name_prefix="triton-compile", initializer=set_device, initargs=(device,)
+        )
+        self.load = load
+
+    def submit(self, fn, /, *args, **kwargs):
         self.submitted += 1
-        return super().submit(*args, **kwargs)
+        return super().submit(_compile_and_load, fn, self.load, *args, **kwargs)
+
+
+def _compile_and_load(compile_fn, load: bool, *args, **kwargs):
+    kernel = compile_fn(*args, **kwargs)
+    # A kernel's first launch also builds its launcher (a C extension, with gcc, ~0.2-0.5 s on a cold cache)
+    # and loads its binary: do both here too, in parallel, rather than one by one in the capture.
+    init = getattr(kernel, "_init_handles", None)
+    if load and init is not None:
+        init()
+    return kernel
 
 
 def compile_threads(environ=os.environ) -> int:
@@ -55,8 +77,11 @@ def precompile(walk: Callable[[], None], threads: int | None = None) -> int:
 
     if not hasattr(triton, "AsyncCompileMode"):  # triton < 3.5
         return 0
+    from triton.runtime import driver  # noqa: PLC0415
+
+    load = hasattr(driver.active, "launcher_cls")  # a GPU driver (a mock one only compiles)
     t0 = time.perf_counter()
-    with _WALKING, _Pool(threads, thread_name_prefix="triton-compile") as pool:
+    with _WALKING, _Pool(threads, load) as pool:
         run = JITFunction.run
 
         def compile_run(self, *args, grid, warmup, **kwargs):
