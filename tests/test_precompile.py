@@ -21,7 +21,7 @@ from ouro_fast.kernels.precompile import compile_threads, precompile  # noqa: E4
 
 ROOT = Path(__file__).resolve().parents[1]
 SNIPPET = """
-import json, sys, threading
+import json, sys
 sys.path[:0] = [ROOT, ROOT + "/bench/gpu"]
 import torch, triton, triton.language as tl
 from triton import knobs
