@@ -140,8 +140,8 @@ def run_config(args, model_dir: Path, threshold: float, refill: bool) -> dict:
         "refills": st.total_refills,
         "preemptions": st.total_preemptions,
         "kv_peak_blocks": peak[0],
-        "kv_total_blocks": engine.bt.num_blocks,
-        "kv_utilisation": round(peak[0] / engine.bt.num_blocks, 4),
+        "kv_total_blocks": engine.scheduler.num_blocks,
+        "kv_utilisation": round(peak[0] / engine.scheduler.num_blocks, 4),
     }
 
 

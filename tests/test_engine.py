@@ -29,7 +29,7 @@ def run(engine, prompts, params):
             if out.finished:
                 done[out.request_id] = out.request
         mixed_steps += sum(1 for n in engine.stats.rows_per_loop if n) > 1
-    assert engine.bt.num_free_blocks == engine.bt.num_blocks, "KV blocks leaked"
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks, "KV blocks leaked"
     engine.mixed_steps = mixed_steps
     return [done[str(i)] for i in range(len(prompts))]
 
@@ -93,7 +93,7 @@ def test_propagation_copies_exited_kv_into_deeper_planes(model_dir):
     for _ in range(60):
         engine.step()
     rid = engine.requests["a"].rid
-    sched, bt, kv = engine.scheduler, engine.bt, engine.runner.kv_cache
+    sched, bt, kv = engine.scheduler.core, engine.scheduler.blocks, engine.runner.kv_cache
     slot, depths = sched.kv_slot(rid), sched.depths(rid)
     bs, checked = bt.block_size, 0
 
@@ -133,7 +133,7 @@ def test_abort_frees_everything_and_spares_others(model_dir, when):
     finals = {o.request_id: o for o in outs if o.finished}
     assert finals["drop"].finish_reason == "abort"
     assert finals["keep"].request.output_ids == solo.output_ids
-    assert engine.bt.num_free_blocks == engine.bt.num_blocks
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
     assert engine.num_running == engine.num_waiting == 0
 
 
@@ -196,7 +196,7 @@ def test_finish_reasons_and_stop_conditions(model_dir):
         fin = [o for o in outs if o.finished and o.request_id == "t"][0]
         assert fin.finish_reason == "stop"
         assert streamed == text[: text.index(stop)]
-    assert engine.bt.num_free_blocks == engine.bt.num_blocks
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
 
 
 def test_streamed_text_equals_full_decode(model_dir):
@@ -239,7 +239,7 @@ def test_bad_requests_are_rejected_clearly(model_dir):
         engine.add_request("f", [1, 2], SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():  # rejected requests left nothing behind
         engine.step()
-    assert engine.bt.num_free_blocks == engine.bt.num_blocks
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
     # 16 blocks at 4 loops hold 64 tokens: a request fitting max_model_len but not the pool is refused.
     small = Engine(EngineConfig(model=model_dir, device="cpu", num_kv_blocks=8))
     with pytest.raises(ValueError, match="KV pool"):

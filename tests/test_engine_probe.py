@@ -17,7 +17,7 @@ def test_closed_loop_replaces_finished_requests_and_times_every_call(model_dir, 
     steps0 = engine.stats.steps
     result = engine_probe.run_closed(engine, np.random.default_rng(0), conc=3, q=0.5, prompts=7)
     assert not engine.has_unfinished_requests()
-    assert engine.bt.num_free_blocks == engine.bt.num_blocks
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
     calls = result["calls"]
     assert calls["admit"]["n"] == 7  # three at the start, then one per finished request
     # Every engine step falls under exactly one kind; the torch runner never runs ahead.

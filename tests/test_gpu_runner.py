@@ -28,7 +28,7 @@ def generate(engine, params):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.request
-    assert engine.bt.num_free_blocks == engine.bt.num_blocks
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
     return [(done[str(i)].output_ids, done[str(i)].exit_loops) for i in range(len(PROMPTS))]
 
 
@@ -39,7 +39,7 @@ def test_triton_runner_matches_torch_runner(model_dir, threshold):
     # The reference runs on the CPU; on a GPU machine the Triton runner runs on the GPU.
     want = generate(Engine(EngineConfig(runner="torch", device="cpu", **opts)), params)
     engine = Engine(EngineConfig(runner="triton", **opts))
-    assert type(engine.runner).__name__ == "GpuModelRunner"
+    assert type(engine.runner).__name__ == "GpuRunner"
     got = generate(engine, params)
     assert got == want
     if threshold < 1.0:

@@ -465,7 +465,7 @@ def test_fused_loop_recipe_matches_run_loop(dtype):
 def test_run_loop_fused_matches_run_loop(dtype):
     # The engine's loop (fused model, skinny matmuls up to 16 tokens, cuBLAS beyond) against the
     # reference loop, over calls of 3 to 20 tokens.
-    from ouro_fast.model.fast_loop import run_loop_fused  # noqa: PLC0415
+    from ouro_fast.model.triton_loop import run_loop_fused  # noqa: PLC0415
 
     model = make_model(dtype)
     fused = make_model(dtype)

@@ -45,12 +45,12 @@ def test_config_from_env():
     ahead = ServerConfig.from_env(env).engine_options()
     assert (ahead["run_ahead_full_depth"], ahead["run_ahead_depth"]) == (False, 2)
     assert c.engine_options()["run_ahead_full_depth"] is True and c.engine_options()["run_ahead_depth"] == 1
-    assert ServerConfig.from_env({"OURO_FAST_DATAFLOW": "1"}).engine_options()["dataflow"] is True
-    assert ServerConfig.from_env({"OURO_FAST_DATAFLOW": "off"}).engine_options()["dataflow"] is False
-    assert ServerConfig.from_env({"OURO_FAST_DATAFLOW": "auto"}).engine_options()["dataflow"] is None
-    assert c.engine_options()["dataflow"] is None  # auto: on where supported
-    with pytest.raises(ConfigError, match="OURO_FAST_DATAFLOW"):
-        ServerConfig.from_env({"OURO_FAST_DATAFLOW": "sometimes"})
+    assert ServerConfig.from_env({"OURO_FAST_COMPILE_THREADS": "3"}).engine_options()["compile_threads"] == 3
+    assert c.engine_options()["compile_threads"] is None  # the CPUs, at most 16
+    with pytest.raises(ConfigError, match="OURO_FAST_RUN_AHEAD"):
+        ServerConfig.from_env({"OURO_FAST_RUN_AHEAD": "sometimes"})
+    with pytest.raises(ConfigError, match="OURO_FAST_COMPILE_THREADS"):
+        ServerConfig.from_env({"OURO_FAST_COMPILE_THREADS": "0"})
     with pytest.raises(ConfigError, match="OURO_FAST_MAX_WAITING"):
         ServerConfig.from_env({"OURO_FAST_MAX_WAITING": "many"})
     with pytest.raises(ConfigError, match="OURO_FAST_STREAM_BUFFER"):
@@ -254,7 +254,7 @@ class FakeEngine:
         self.requests: dict[str, int] = {}
         self.aborted: list[str] = []
         self.stats = StepStats(num_loops=4)
-        self.bt = SimpleNamespace(num_blocks=8, num_free_blocks=8)
+        self.scheduler = SimpleNamespace(num_blocks=8, num_free_blocks=8)
         self.num_running = self.num_waiting = 0
         self.step_fails = self.abort_all_fails = False
 

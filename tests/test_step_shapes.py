@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from ouro_fast.engine.gpu_runner import (  # noqa: E402
+from ouro_fast.engine.gpu.shapes import (  # noqa: E402
     MAX_GRAPHS,
     PREFILL_MIN_ROWS,
     decode_shapes,
@@ -66,12 +66,3 @@ def test_decode_steps_keep_their_row_bucket():
     assert step_shape(1, 1, 1, 64, 512) == (1, 1, 1)
     assert step_shape(64, 64, 1, 64, 512) == (64, 64, 1)
     assert step_shape(5, 5, 1, 6, 512) == (6, 8, 1)
-
-
-def test_the_bucket_switch_restores_the_halves(monkeypatch):
-    # OURO_FAST_TOKEN_BUCKETS=12:16 (A/B runs): powers of two and their midpoints 3 * 2^k only.
-    from ouro_fast.engine import gpu_runner  # noqa: PLC0415
-
-    monkeypatch.setattr(gpu_runner, "BUCKET_SIXTEENTHS", (12, 16))
-    assert step_shape(9, 136, 128, 64, 512) == (64, 192, 192)
-    assert [n for _, n, _ in prefill_shapes(64, 512)] == [64, 96, 128, 192, 256, 384, 512]

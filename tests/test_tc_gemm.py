@@ -100,7 +100,7 @@ def test_decode_mlp_paces_gate_up_but_not_down(monkeypatch):
     # gate_up starts beside o_proj and the attention (paced); down streams while gate_up still streams (not).
     from types import SimpleNamespace
 
-    from ouro_fast.model import fast_loop
+    from ouro_fast.model import triton_loop
 
     calls = []
 
@@ -112,10 +112,10 @@ def test_decode_mlp_paces_gate_up_but_not_down(monkeypatch):
     monkeypatch.setattr(tc_gemm, "tc_linear", fake)
     down = SimpleNamespace(weight=torch.zeros(32, 64))
     mlp = SimpleNamespace(gate_up_weight=torch.zeros(128, 32), down_proj=down)
-    fast_loop.mlp_partial(torch.zeros(2, 32), mlp)
+    triton_loop.mlp_partial(torch.zeros(2, 32), mlp)
     assert calls == [((128, 32), True, False, tc_gemm.PACE_BESIDE), ((32, 64), False, True, 0)]
     assert tc_gemm.PACE_BESIDE in (1, 2, 3, 4)  # the kernel's pause takes 1-4 (x 500 ns)
-    fast_loop.linear(torch.zeros(2, 32), torch.zeros(16, 32), pace=2)
+    triton_loop.linear(torch.zeros(2, 32), torch.zeros(16, 32), pace=2)
     assert calls[-1] == ((16, 32), False, False, 2)
 
 
@@ -183,16 +183,16 @@ def test_paced_loads_change_no_bit(pace, until_go, monkeypatch):
 def test_mlp_partial_is_the_silu_mul_path_bit_for_bit(monkeypatch):
     from types import SimpleNamespace
 
-    from ouro_fast.model import fast_loop
+    from ouro_fast.model import triton_loop
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     rnd = lambda *s: (0.02 * torch.randn(*s, device="cuda", generator=gen)).to(torch.bfloat16)  # noqa: E731
     mlp = SimpleNamespace(gate_up_weight=rnd(11264, 2048), down_proj=SimpleNamespace(weight=rnd(2048, 5632)))
     for m in (1, 8):
         x = torch.randn(m, 2048, device="cuda", generator=gen).to(torch.bfloat16)
-        fused = fast_loop.mlp_partial(x, mlp)
+        fused = triton_loop.mlp_partial(x, mlp)
         monkeypatch.setattr(tc_gemm, "SWIGLU_OUT", False)
-        plain = fast_loop.mlp_partial(x, mlp)
+        plain = triton_loop.mlp_partial(x, mlp)
         monkeypatch.setattr(tc_gemm, "SWIGLU_OUT", True)
         assert torch.equal(fused.sum(0), plain.sum(0)) and fused.shape[1:] == plain.shape[1:]
 

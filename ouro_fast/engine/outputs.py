@@ -51,22 +51,22 @@ class StepStats:
         self.total_rows_per_loop = [0] * self.num_loops
         self.exit_depth_histogram = [0] * self.num_loops
 
-    def record(self, sched, bt, events: int, sched_s: float, model_s: float, detok_s: float) -> None:
-        r = sched.num_rows
+    def record(self, plan, events, scheduler, sched_s: float, model_s: float, detok_s: float) -> None:
+        """Count one applied step: its StepPlan, its TokenEvents, the pool after it, and where time went."""
         self.steps += 1
-        self.rows, self.tokens, self.exits = r, sched.num_step_tokens, events
-        self.refills, self.preemptions = sched.num_refills, sched.num_preempted
-        self.kv_blocks_free = bt.num_free_blocks
-        self.kv_blocks_used = bt.num_blocks - bt.num_free_blocks
-        per_loop = np.bincount(sched.row_loop[:r], minlength=self.num_loops)
+        self.rows, self.tokens, self.exits = plan.num_rows, plan.num_tokens, len(events)
+        self.refills, self.preemptions = plan.num_refills, plan.num_preempted
+        self.kv_blocks_free = scheduler.num_free_blocks
+        self.kv_blocks_used = scheduler.num_blocks - scheduler.num_free_blocks
+        per_loop = np.bincount(plan.loop, minlength=self.num_loops)
         self.rows_per_loop = per_loop.tolist()
         for t in range(self.num_loops):
             self.total_rows_per_loop[t] += int(per_loop[t])
-        for loop in sched.ev_loop[:events]:
-            self.exit_depth_histogram[int(loop)] += 1
-        self.total_exits += events
-        self.total_refills += sched.num_refills
-        self.total_preemptions += sched.num_preempted
+        for loop in events.loop.tolist():
+            self.exit_depth_histogram[loop] += 1
+        self.total_exits += len(events)
+        self.total_refills += plan.num_refills
+        self.total_preemptions += plan.num_preempted
         self.scheduler_seconds += sched_s
         self.model_seconds += model_s
         self.detok_seconds += detok_s

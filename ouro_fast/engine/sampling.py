@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from .plan import StepPlan, StepResult
 
 # Temperatures below this sample greedily: logits / temperature would overflow float32.
 GREEDY_EPS = 1e-5
@@ -254,3 +257,32 @@ def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop[:, 0] = False
     mask = torch.empty_like(drop).scatter_(1, order, drop)
     return scaled.masked_fill(mask, -math.inf)
+
+
+def sample_exited(
+    model, sampler: Sampler, plan: StepPlan, h_last: torch.Tensor, exited: np.ndarray, keep_logits: bool
+) -> StepResult:
+    """lm_head and the sampler for a StepPlan's rows whose last token exited (exited: uint8 [R] on the host);
+    returns the step's StepResult. h_last [R, hidden]: each row's last token's output."""
+    sampled = np.zeros(plan.num_rows, dtype=np.int32)
+    rows = np.flatnonzero(exited)
+    kept = None
+    if rows.size:
+        rids = plan.rid[rows]
+        # All rows exited (full depth): no gather, and no index copy that would wait for the stream.
+        h = h_last if rows.size == plan.num_rows else h_last[torch.from_numpy(rows).to(h_last.device)]
+        logits = model.logits(h).float()
+        s = plan.sampling
+        seeds = [None if v < 0 else int(v) for v in s.seed[rids]]
+        ids = sampler(
+            logits,
+            torch.from_numpy(s.temperature[rids]),
+            torch.from_numpy(s.top_p[rids]),
+            torch.from_numpy(s.top_k[rids]),
+            seeds,
+            s.num_outputs[rids].tolist(),
+        )
+        sampled[rows] = ids.cpu().numpy()
+        if keep_logits:
+            kept = {int(row): logits[i].cpu() for i, row in enumerate(rows)}
+    return StepResult(exited, sampled, kept)

@@ -1,14 +1,14 @@
 """Compile the Triton variants a start-up launches side by side, before it runs any of them.
 
 Triton compiles a kernel variant at its first launch, and builds its launcher (a C extension, with gcc),
-one after another: on a fresh H200 machine the server's start-up compiled 40 variants, ~18 s of its ~32 s
-(docs/benchmarks.md, thirty-second session). `precompile(walk)` calls `walk` with every launch turned into
+one after another: on a fresh H200 machine the server's start-up compiled 40 variants, ~18 s of its ~32 s.
+`precompile(walk)` calls `walk` with every launch turned into
 a compile submitted to a thread pool (triton's AsyncCompileMode, with the launch's `warmup` flag: compile,
 do not run), which also builds the launcher and loads the binary; the compiler's passes, ptxas and gcc
 release the GIL, so the variants get ready in parallel, and the warm-ups and captures after the walk find
 them in the kernel cache. The walk's torch ops still run, on outputs the skipped kernels never wrote: call
 it only where a warm-up would run anyway (start-up, over scratch state), never while steps are in flight.
-OURO_FAST_COMPILE_THREADS sets the pool's size (default: the CPUs, at most 16; 1 turns the walk off).
+The pool's size is the engine's compile_threads (default: the CPUs, at most 16; 1 turns the walk off).
 """
 
 from __future__ import annotations
@@ -57,11 +57,8 @@ def _compile_and_load(compile_fn, load: bool, *args, **kwargs):
     return kernel
 
 
-def compile_threads(environ=os.environ) -> int:
-    """The compile pool's size: OURO_FAST_COMPILE_THREADS, else the CPUs (at most 16)."""
-    value = environ.get("OURO_FAST_COMPILE_THREADS", "")
-    if value:
-        return max(int(value), 1)
+def default_compile_threads() -> int:
+    """The compile pool's default size: the CPUs, at most 16."""
     return min(os.cpu_count() or 1, 16)
 
 
@@ -69,7 +66,7 @@ def precompile(walk: Callable[[], None], threads: int | None = None) -> int:
     """Run `walk` with its Triton launches compiled in parallel instead of run; return how many variants it
     compiled (0, and `walk` not called, where that cannot help: the interpreter, one thread, an old triton).
     A compile error is raised here, after the walk, as the launch would have raised it."""
-    threads = compile_threads() if threads is None else threads
+    threads = default_compile_threads() if threads is None else threads
     if interpreting() or threads < 2:
         return 0
     import triton  # noqa: PLC0415 (only where kernels compile)

@@ -14,6 +14,12 @@ import torch
 import torch.nn.functional as F
 
 
+def allocate_kv_cache(cfg, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The paged K/V of every (loop, layer) plane: [2, layers, num_slots, kv_heads, head_dim]."""
+    shape = (2, cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, cfg.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
     """q [n, Hq, D] at positions q_start.. attends k, v [S, Hkv, D] at positions 0..S-1, causally."""
     n, hq, d = q.shape

@@ -43,7 +43,7 @@ class ServerConfig:
     run_ahead: bool = True  # triton runner: decode-only batches launch before their exits are read
     run_ahead_full_depth: bool = True  # ... also when no row can exit early (hides host work per step)
     run_ahead_depth: int = 1  # launches queued ahead of the one the host reads back (1..3)
-    dataflow: bool | None = None  # one-token decode loops in one launch; None (auto): where supported
+    compile_threads: int | None = None  # start-up kernel compiles in parallel (None: the CPUs, at most 16)
     api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
     max_body_bytes: int = 8 << 20
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
@@ -75,7 +75,7 @@ class ServerConfig:
             "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
             "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
             "cuda_graphs", "refill", "run_ahead", "run_ahead_full_depth",
-            "run_ahead_depth", "dataflow",
+            "run_ahead_depth", "compile_threads",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
@@ -104,6 +104,8 @@ class ServerConfig:
             raise ConfigError(f"{env_name('ring_capacity')} must be in [2, 2**30], got {self.ring_capacity}")
         if self.runner not in ("auto", "torch", "triton"):
             raise ConfigError(f"{env_name('runner')} must be auto, torch or triton, got {self.runner!r}")
+        if self.compile_threads is not None and self.compile_threads < 1:
+            raise ConfigError(f"{env_name('compile_threads')} must be >= 1, got {self.compile_threads}")
         switch = self.gil_switch_ms
         if switch is not None and not 0.01 <= switch <= 1000:
             raise ConfigError(f"{env_name('gil_switch_ms')} must be in [0.01, 1000], got {switch}")

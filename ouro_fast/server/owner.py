@@ -196,7 +196,8 @@ class EngineOwner:
             model_dir=str(eng.model_dir), max_model_len=eng.max_model_len,
             max_request_tokens=eng.max_request_tokens, num_loops=eng.model_config.total_ut_steps,
             vocab_limit=min(eng.tokenizer.vocab_size, eng.model_config.vocab_size),
-            num_kv_blocks=eng.bt.num_blocks, load_seconds=load, warmup_seconds=time.monotonic() - t0 - load,
+            num_kv_blocks=eng.scheduler.num_blocks, load_seconds=load,
+            warmup_seconds=time.monotonic() - t0 - load,
             tokenizer=OuroTokenizer.from_dir(eng.model_dir),
         )  # fmt: skip
 
@@ -289,11 +290,11 @@ class EngineOwner:
             self._post(batch)
 
     def _post(self, batch: list) -> None:
-        eng, stats = self.engine, self.engine.stats
+        eng, stats, pool = self.engine, self.engine.stats, self.engine.scheduler
         ahead = getattr(eng, "ahead", None)  # None on the torch runner
         snap = EngineSnapshot(
             running=eng.num_running, waiting=eng.num_waiting,
-            kv_blocks_used=eng.bt.num_blocks - eng.bt.num_free_blocks, kv_blocks_total=eng.bt.num_blocks,
+            kv_blocks_used=pool.num_blocks - pool.num_free_blocks, kv_blocks_total=pool.num_blocks,
             steps=self._steps, step_failures=self._failures,
             refills=stats.total_refills, preemptions=stats.total_preemptions,
             run_ahead_steps=getattr(ahead, "total_launches", 0), run_ahead_runs=getattr(ahead, "runs", 0),

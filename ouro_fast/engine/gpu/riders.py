@@ -30,9 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..scheduler import RUNNING, WAITING
 from .lanes import MAX_STOP_IDS
-
-WAITING, RUNNING = 1, 2  # LoopScheduler statuses: queued, holding KV
 
 
 @dataclass
@@ -49,7 +48,7 @@ class Rider:
 
 @dataclass
 class RiderRow:
-    """A rider's row in one launch (GpuModelRunner.fill_rider_step)."""
+    """A rider's row in one launch (GpuRunner.fill_rider_step)."""
 
     lane: int
     ids: np.ndarray
@@ -62,7 +61,7 @@ class RiderRow:
 def rider_rows(ahead, launch: int) -> list[RiderRow]:
     """The rows of launch `launch`'s riders, after the lanes' tokens; riders whose requests ended or
     whose prompts ran their last loop leave the list."""
-    s, loops = ahead.engine.scheduler, ahead.lanes.num_loops
+    s, loops = ahead.core, ahead.lanes.num_loops
     off, rows, keep = ahead.lanes.rows, [], []
     for rd in ahead.riders:
         loop = launch - rd.first
@@ -83,7 +82,7 @@ class Seating:
 
     def arrive(self, rid: int) -> None:
         """A request added during the run: held in the scheduler until a step seats it."""
-        self.engine.scheduler.hold(rid, True)
+        self.core.hold(rid, True)
         self.arrivals.append(rid)
 
     def _seat_arrivals(self) -> bool:
@@ -91,7 +90,7 @@ class Seating:
         launches in flight: KV now, each prompt row released at that launch's replay. An arrival
         that fits once the prompts riding now are done waits (at most a prompt's loops); False,
         with none seated, if the first cannot ride so (the caller catches up instead)."""
-        s = self.engine.scheduler
+        s = self.core
         self.arrivals = [rid for rid in self.arrivals if s.status(rid) == WAITING]  # drop aborted ones
         self._forget_ended_lanes()
         seated = 0
@@ -107,68 +106,68 @@ class Seating:
 
     def _try_seat(self, rid: int) -> str:
         """'seated', 'wait' (the step is full of riding prompts) or 'no'."""
-        e, s = self.engine, self.engine.scheduler
+        s = self.core
         free = [j for j in range(self.lanes.rows) if self.lane_rids[j] < 0]
         if not free or not self._plain(rid):
             return "no"
         # The step: the lanes' tokens and every rider's prompt (those seated before ride this launch too).
         tokens = self.lanes.rows + sum(len(rd.ids) for rd in self.riders) + s.num_tokens(rid)
         rows = self.lanes.rows + len(self.riders) + 1
-        if tokens > e.runner.max_tokens or rows > e.runner.max_rows:
+        if tokens > self.runner.max_tokens or rows > self.runner.max_rows:
             return "wait" if self.riders else "no"
         if not s.admit_now(rid):
             return "no"
         self._seat(rid, free[0])
-        self.release.setdefault(self.launched, []).append((rid, e.by_rid[rid]))
+        self.release.setdefault(self.launched, []).append((rid, self.requests[rid]))
         return "seated"
 
     def _release_arrivals(self) -> None:
-        s = self.engine.scheduler
+        s = self.core
         for rid in self.arrivals:
             if s.status(rid) == WAITING:
                 s.hold(rid, False)
         self.arrivals = []
 
-    def _join(self) -> list:
+    def _join(self):
         """Schedule the next step with the waiting requests; run it as the lanes plus riders if it is
-        exactly that (whole fresh prompts, free lanes, within the step's buffers), else hand it back."""
-        s = self.engine.scheduler
-        r = s.num_rows
-        last = (s.row_rid[:r].copy(), s.row_tok_off[:r].copy(), s.row_len[:r].copy(), s.row_decode[:r].copy())
+        exactly that (whole fresh prompts, free lanes, within the step's buffers). Otherwise the run
+        ends and the schedule is returned for the host path to execute (None: nothing to run)."""
+        p = self.plan
+        empty = np.zeros(0, np.int32)
+        last = (p.rid.copy(), p.tok_off.copy(), p.length.copy(), p.decode.copy()) if p else (empty,) * 4
         self._forget_ended_lanes()
-        s.schedule()
-        plan = self._seats()
-        if plan is not None:
-            seats, self.lanes.rows = plan
+        plan = self.plan = self.scheduler.schedule()
+        seating = self._seats(plan) if plan is not None else None
+        if seating is not None:
+            seats, self.lanes.rows = seating
             for k, j in seats:
-                self._seat(int(s.row_rid[k]), j)
+                self._seat(int(plan.rid[k]), j)
             if self._reserve(in_flight=1):
                 self.presched = self.launched
                 self._launch(self._live())
-                return []
+                return None
         self._place(*last)
         self._end()
-        self.handed_back = True
         self.hand_backs += 1
-        return []
+        return plan
 
     def _forget_ended_lanes(self) -> None:
         # Lanes of requests that ended on the host are free (their rids may come back for newcomers).
-        s = self.engine.scheduler
+        s = self.core
         for j, rid in enumerate(self.lane_rids):
             if rid >= 0 and s.status(int(rid)) != RUNNING:
                 self.lane_of[rid] = -1
                 self.lane_rids[j] = -1
         self.riders = [rd for rd in self.riders if self.lane_rids[rd.lane] == rd.rid]
 
-    def _seats(self) -> tuple[list, int] | None:
-        """([(row, free lane)] for the schedule's new rows, the lane count to run at), or None if
-        the schedule is not the lanes plus riders."""
-        e, s = self.engine, self.engine.scheduler
-        if s.num_waiting or s.num_preempted:
+    def _seats(self, plan) -> tuple[list, int] | None:
+        """([(row, free lane)] for the plan's new rows, the lane count to run at), or None if
+        the plan is not the lanes plus riders."""
+        s = self.core
+        if s.num_waiting or plan.num_preempted:
             return None
-        r, lanes_n = s.num_rows, self.lanes.rows
-        rids = s.row_rid[:r].astype(np.int64)
+        lanes_n = self.lanes.rows
+        rids = plan.rid.astype(np.int64)
         lanes = self.lane_of[rids]
         new = np.flatnonzero(lanes < 0)
         free = [j for j in range(lanes_n) if self.lane_rids[j] < 0]
@@ -178,18 +177,18 @@ class Seating:
             lanes_n = min(2 * lanes_n, self.lanes.max_lanes)
             free = [j for j in range(lanes_n) if self.lane_rids[j] < 0]
         rows, tokens = lanes_n, lanes_n
-        for k in np.flatnonzero(s.row_decode[:r] == 0):
+        for k in np.flatnonzero(plan.decode == 0):
             rid, j = int(rids[k]), lanes[k]
             if j >= 0 and not self._riding(j, self.launched):
                 return None
             # A newcomer rides only with its whole prompt (not a chunk, not a recomputation).
             n = s.num_tokens(rid)
-            whole = s.row_loop[k] == 0 and s.row_start[k] == 0 and s.row_len[k] == n
-            if j < 0 and not (whole and n == len(e.by_rid[rid].prompt_ids) and self._plain(rid)):
+            whole = plan.loop[k] == 0 and plan.start[k] == 0 and plan.length[k] == n
+            if j < 0 and not (whole and n == len(self.requests[rid].prompt_ids) and self._plain(rid)):
                 return None
-            rows, tokens = rows + 1, tokens + int(s.row_len[k])
-        runner = e.runner
-        if (s.row_decode[:r][new] != 0).any() or len(new) > len(free):
+            rows, tokens = rows + 1, tokens + int(plan.length[k])
+        runner = self.runner
+        if (plan.decode[new] != 0).any() or len(new) > len(free):
             return None
         if rows > runner.max_rows or tokens > runner.max_tokens:
             return None
@@ -200,8 +199,8 @@ class Seating:
 
     def _seat(self, rid: int, j: int) -> None:
         """Request rid (admitted, its prompt not started) rides in lane j from the next launch on."""
-        e, s = self.engine, self.engine.scheduler
-        req = e.by_rid[rid]
+        s = self.core
+        req = self.requests[rid]
         n = len(req.prompt_ids)
         stop_ids = np.full((1, MAX_STOP_IDS), -1, np.int64)
         stop_ids[0, : len(req.eos_ids)] = sorted(req.eos_ids)
@@ -209,7 +208,7 @@ class Seating:
         fields = {
             "tok": [0], "pos": [n], "kvrow": [s.kv_slot(rid)], "cap": [s.cap(rid)], "stop_ids": stop_ids,
             "loop": [0], "lo": [lo], "hi": [hi], "log1mq": np.array([log1mq], np.float32),
-            "temp": e.sampling.temperature[rid : rid + 1],
+            "temp": self.scheduler.sampling.temperature[rid : rid + 1],
         }  # fmt: skip
         self.lanes.seat(np.array([j], np.int64), fields)
         self.lane_rids[j], self.lane_of[rid] = rid, j

@@ -38,7 +38,7 @@ def mlp_partial(m: torch.Tensor, mlp) -> torch.Tensor:
     """down(silu(gate(m)) * up(m)) as down's fp32 partial products where the tensor-core kernel takes it.
 
     On tensor cores gate_up hands down silu(gate) * up (tc_gemm's swiglu_out), the bits down's own SiLU
-    prologue would compute, so down multiplies a plain input (docs/benchmarks.md, twenty-sixth session)."""
+    prologue would compute, so down multiplies a plain input."""
     if tc_gemm.supported(m, mlp.gate_up_weight, swiglu_out=True):
         gu = tc_gemm.tc_linear(m, mlp.gate_up_weight, swiglu_out=True, pace=tc_gemm.PACE_BESIDE)
         return linear(gu, mlp.down_proj.weight, partial=True)
@@ -46,12 +46,7 @@ def mlp_partial(m: torch.Tensor, mlp) -> torch.Tensor:
 
 
 def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tensor:
-    """h [N, hidden] -> the loop's normed output [N, hidden] (which feeds the next loop).
-
-    A model with a DataflowLoop attached (EngineConfig.dataflow) runs the steps it takes in one launch."""
-    loop = getattr(model, "dataflow", None)
-    if loop is not None and loop.takes(h, attn.batch):
-        return loop(h, attn.kv_cache, attn.cos_sin, attn.batch, attn.block_size)
+    """h [N, hidden] -> the loop's normed output [N, hidden] (which feeds the next loop)."""
     cfg = model.config
     layers, eps = model.model.layers, cfg.rms_norm_eps
     n, hq, hkv, d = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

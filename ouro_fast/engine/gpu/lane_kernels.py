@@ -1,4 +1,4 @@
-"""The bookkeeping of a decode-lane launch in two kernels (engine/lanes.py has the semantics).
+"""The bookkeeping of a decode-lane launch in a few small kernels (lanes.py has the semantics).
 
 lane_prologue: per lane, whether it runs (active and not killed), its K/V slot at its
 loop, its block table for that loop, its hidden input (the token's embedding at loop
@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import interpreting, next_pow2
-from .exit_gate import log_survival
-from .pdl import pdl_enter, pdl_launch
+from ...kernels._util import interpreting, next_pow2
+from ...kernels.exit_gate import log_survival
+from ...kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit

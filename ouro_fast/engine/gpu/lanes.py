@@ -5,16 +5,15 @@ every lane at that lane's own depth, evaluates the gate, decides exits, samples
 the exiting lanes, copies an exited token's K/V into the planes it skipped, and
 advances its own state: an exited lane moves to loop 0 of its new token, the
 others to their next loop. The host never has to answer before the next launch,
-so launches can run ahead of the exit read-back (engine/runahead.py replays the
+so launches can run ahead of the exit read-back (runahead.py replays the
 recorded results into the scheduler one launch behind).
 
 Per launch the device writes one record per lane, [loop, exited, sampled id,
-active], into a ring in pinned host memory (its last kernel stores them there; with
-OURO_FAST_RECORDS_COPY=1 a copy on the stream does, for A/B runs). A lane stops on the
+active], into a ring in pinned host memory (its last kernel stores them there). A lane stops on the
 device when it samples one of its stop ids or reaches its length cap (the same
 rules as the engine), or when the host kills it (stop strings, aborts).
 
-A free lane can also carry a newcomer's prompt (a rider, engine/riders.py): while
+A free lane can also carry a newcomer's prompt (a rider, riders.py): while
 the prompt runs its loops the launch is the runner's step graph over the lanes'
 tokens and the prompt's, and after the prompt's last loop the lane decodes the
 first token. The rider's record has the prompt row's loop, exit and first token.
@@ -22,30 +21,36 @@ first token. The rider's record has the prompt row's loop, exit and first token.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import numpy as np
 import torch
 
-from ..kernels import propagate_kv
-from ..kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear
-from ..model.fast_loop import run_loop_fused
-from ..model.triton_attention import TritonBatch
-from .sampling import GREEDY_EPS
+from ...kernels import propagate_kv
+from ...kernels.sample import sample_gumbel
+from ...kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear
+from ...model.triton_attention import TritonBatch
+from ...model.triton_loop import run_loop_fused
+from ..sampling import GREEDY_EPS
+from .lane_kernels import (
+    lane_epilogue,
+    lane_exits,
+    lane_prologue,
+    pack_lane_step,
+    publish_records,
+    rider_epilogue,
+)
+from .shapes import pow2
+from .staging import StagingBuffers
 
 MAX_STOP_IDS = 8  # stop token ids a lane checks on the device; requests with more stay host-driven
 RING = 4  # launches whose records can be in flight to the host
-# The launch's last kernel stores its records in the host ring (the default), or a copy after it does (A/B).
-RECORDS_COPY = os.environ.get("OURO_FAST_RECORDS_COPY", "") == "1"
 
 
 class DecodeLanes:
-    """Device state and launches of the lanes of one GpuModelRunner (same model, cache and graph pool)."""
+    """Device state and launches of the lanes of one GpuRunner (same model, cache and graph pool)."""
 
     def __init__(self, runner, num_slots: int, num_loops: int, max_blocks: int, seed: int = 0):
-        from .gpu_runner import _Staging  # noqa: PLC0415 (gpu_runner imports this module)
-
         # A weak reference (the runner owns the lanes): no cycle keeping the KV pool alive.
         self.runner, self.model, self.attn = weakref.proxy(runner), runner.model, runner.attn
         self.device, self.block_size, self.num_loops = runner.device, runner.block_size, num_loops
@@ -73,9 +78,9 @@ class DecodeLanes:
         self.prop_src, self.prop_dst = (torch.full(((num_loops - 1) * r,), -1, **i64) for _ in range(2))
         # Per launch from the host: the kill mask, the riders' lanes, and block-table rows that changed.
         layout = {"kill": (r,), "riders": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}
-        self.inputs = _Staging(layout, torch.int32, dev)
+        self.inputs = StagingBuffers(layout, torch.int32, dev)
         self._kill_on_device = np.full(r, -1, np.int32)  # what the last upload left there (none yet)
-        self.init = _Staging(
+        self.init = StagingBuffers(
             {"i64": (5 + MAX_STOP_IDS, r), "i32": (4, r), "f32": (3, r)}, torch.int64, dev
         )  # f32 and i32 parts travel as int64 words; i64's last row: the lane indices (seat)
         pin = dev.type == "cuda"
@@ -92,7 +97,7 @@ class DecodeLanes:
         """Load lane state: `lanes` maps field -> numpy array [rows]; hsrc [rows] int64 on the device
         (index of the lane's carried hidden state in the runner's buffers, -1 for none)."""
         n = len(lanes["tok"])
-        self.rows = min(_pow2(n), self.max_lanes)
+        self.rows = min(pow2(n), self.max_lanes)
         d = self._stage(lanes, n, active=1)
         for j, t in enumerate((self.tok, self.pos, self.kvrow, self.cap)):
             t.copy_(d["i64"][j])
@@ -192,9 +197,6 @@ class DecodeLanes:
     def launch_with_riders(self, riders: list, tables) -> int:
         """Run one loop for every lane and the riders' prompts (`riders`: RiderRow, in step-row
         order, staged by launch_inputs too) as one runner step; returns the launch's index."""
-        from ..kernels.lanes import lane_epilogue, pack_lane_step, rider_epilogue  # noqa: PLC0415
-        from ..kernels.sample import sample_gumbel  # noqa: PLC0415
-
         rows, k, r = self.rows, len(riders), self.runner
         shape = r.fill_rider_step(rows, riders, tables)
         rider_lanes, kill = self.inputs.dev["riders"][:k], self.inputs.dev["kill"]
@@ -209,22 +211,12 @@ class DecodeLanes:
                       src, dst)  # fmt: skip
         rider_epilogue(self, r, rider_lanes, exits, ids, rows)
         propagate_kv(r.kv_cache, src, dst)
-        self._publish(rows)
+        publish_records(self, rows)  # the launch's last kernel stores its records in the host ring
         return self._emit_records()
-
-    def _publish(self, rows: int) -> None:
-        # The records into the host ring, by the launch's last kernel (unless a copy does it, below).
-        from ..kernels.lanes import publish_records  # noqa: PLC0415
-
-        if not RECORDS_COPY:
-            publish_records(self, rows)
 
     def _emit_records(self) -> int:
         # The launch's records reach the host ring without waiting; result() waits for them.
-        rows = self.rows
         i = self.count % RING
-        if RECORDS_COPY:
-            self.host_records[i, :rows].copy_(self.record[:rows], non_blocking=True)
         if self.events[i] is not None:
             self.events[i].record()
         self.count += 1
@@ -292,8 +284,6 @@ class DecodeLanes:
     def _compile_rider_kernels(self) -> None:
         """Compile the riders' two kernels now (on first use they would stall the first join by
         ~0.5 s). They run for real on idle lanes, whose state start() and seat() rewrite."""
-        from ..kernels.lanes import pack_lane_step, rider_epilogue  # noqa: PLC0415
-
         one = self.inputs.dev["riders"][:1]
         rows = self.rows or 1
         pack_lane_step(self, self.runner, self.inputs.dev["kill"], one, rows, self.block_size)
@@ -304,9 +294,6 @@ class DecodeLanes:
 
     def _step(self, rows: int) -> None:
         """One loop for lanes [0, rows): graph-capturable (fixed shapes, no host reads)."""
-        from ..kernels.lanes import lane_epilogue, lane_exits, lane_prologue  # noqa: PLC0415 (triton only)
-        from ..kernels.sample import sample_gumbel  # noqa: PLC0415
-
         bs, kill = self.block_size, self.inputs.dev["kill"][:rows]
         embed = self.model.model.embed_tokens.weight
         h, tables, slot, q_start, run, seeds = lane_prologue(self, kill, embed, rows, bs)
@@ -323,7 +310,7 @@ class DecodeLanes:
         lane_epilogue(self, run, slot, log_surv, exits, ids, x, rows, bs, src, dst)
         # Last-exited propagation: the exit plane's K/V into every deeper plane, in this launch.
         propagate_kv(self.runner.kv_cache, src, dst)
-        self._publish(rows)
+        publish_records(self, rows)  # the launch's last kernel stores its records in the host ring
 
     def _lm_head(self, x: torch.Tensor, exits: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab]. Up to SKINNY_MAX_M lanes a launch where no lane exits skips the
@@ -334,7 +321,3 @@ class DecodeLanes:
         weight = self.model.lm_head_weight()
         out = self.logits_buf[:rows]
         return skinny_linear(x, weight, out=out, row_gate=exits)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()

@@ -1,142 +1,40 @@
-"""The fast runner: Triton kernels, static device buffers, and CUDA graphs.
+"""The GPU runner: executes a StepPlan on the Triton kernels, from static device buffers, in CUDA graphs.
 
-Same contract as ModelRunner.execute (and tested against it). Every step's inputs
+Same contract as ReferenceRunner.execute, and tested against it. A step's inputs
 are packed on the host into pinned buffers and copied to the device in two
 transfers; the tensors the kernels read are fixed views into one device buffer.
-A step runs padded to a power-of-two shape (rows, tokens, longest row), padding
-rows and tokens doing nothing, so a few CUDA graphs cover every step (step_shape):
-decode steps by row count; steps that carry a prompt chunk by token count alone
-(at least PREFILL_MIN_ROWS rows, longest row = the token bucket; token buckets are powers
-of two and, above 64, 9/16, 5/8 and 3/4 of each). All are captured
-at start-up (up to MAX_GRAPHS; a shape beyond runs eagerly at the same padding), so
-no request waits for a capture. The hidden states and exit statistics carried
-between steps live in static buffers indexed by token.
+A step runs padded to one of a few shapes (shapes.py), each captured as a CUDA
+graph at start-up. The hidden states and exit statistics carried between steps
+live in static buffers indexed by token. The runner also owns the decode lanes
+(lanes.py) that run-ahead drives.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 
 import numpy as np
 import torch
 
-from ..kernels import propagate_kv
-from ..kernels.exit_gate import gate_log_survival
-from ..kernels.precompile import precompile
-from ..model.exit_rule import exit_mask
-from ..model.fast_loop import run_loop_fused
-from ..model.ouro import OuroForCausalLM
-from ..model.triton_attention import TritonBatch, TritonPagedAttention
+from ...kernels import propagate_kv
+from ...kernels.exit_gate import gate_log_survival
+from ...kernels.precompile import precompile
+from ...model.attention import allocate_kv_cache
+from ...model.exit_rule import exit_mask
+from ...model.ouro import OuroForCausalLM
+from ...model.triton_attention import TritonBatch, TritonPagedAttention
+from ...model.triton_loop import run_loop_fused
+from ..plan import StepPlan, StepResult
+from ..sampling import GREEDY_EPS, Sampler, sample_exited
 from .lanes import DecodeLanes
-from .runner import RowSampling, StepResult, allocate_kv_cache, sample_exited
+from .shapes import MAX_GRAPHS, decode_shapes, prefill_shapes, step_shape
+from .staging import StagingBuffers
 
 logger = logging.getLogger("ouro_fast")
 
-MAX_GRAPHS = 48  # captured (rows, tokens, max_q_len) shapes; steps beyond run eagerly at the same padding
-# Rows of a step that carries a prompt chunk: padding rows cost an empty attention program and a
-# gate row each, and one row bucket keeps the prefill graphs to one per token bucket.
-PREFILL_MIN_ROWS = 64
-# Token buckets above 64 tokens, in sixteenths of the next power of two, from OURO_FAST_TOKEN_BUCKETS
-# (A/B runs; "12:16" gives the midpoints and powers alone). The last must be 16: the power itself.
-BUCKET_SIXTEENTHS = tuple(
-    sorted(int(v) for v in os.environ.get("OURO_FAST_TOKEN_BUCKETS", "9:10:12:16").split(":"))
-)
-if not (BUCKET_SIXTEENTHS[-1] == 16 and BUCKET_SIXTEENTHS[0] > 8):
-    raise ValueError(f"OURO_FAST_TOKEN_BUCKETS: sixteenths in 9..16 ending with 16, got {BUCKET_SIXTEENTHS}")
 
-
-def step_shape(rows: int, tokens: int, max_len: int, max_rows: int, max_tokens: int) -> tuple[int, int, int]:
-    """The padded (rows, tokens, max_q_len) a step runs at: powers of two (capped by the buffers).
-    Decode steps (max_len 1) keep their row bucket; steps with a prompt chunk are padded to at
-    least PREFILL_MIN_ROWS rows and to a longest row of the whole token bucket."""
-    if max_len <= 1:
-        r_b = min(_pow2(rows), max_rows)
-        return r_b, min(max(_pow2(tokens), r_b), max_tokens), 1
-    r_b = min(max(_pow2(rows), PREFILL_MIN_ROWS), max_rows, max_tokens)
-    n_b = min(max(_token_bucket(tokens), r_b), max_tokens)
-    return r_b, n_b, n_b
-
-
-def _token_bucket(n: int) -> int:
-    """Tokens a step with a prompt chunk is padded to: powers of two up to 64, then the smallest of
-    9/16, 5/8, 3/4 and 1 times the next power of two that holds n, so padding adds at most a third.
-    A 128-token prompt with eight decode lanes (concurrency 8) runs at 144 tokens, not 192 or 256: a
-    rider loop takes 1.725 ms there against 1.817 at 192 (H200; docs/benchmarks.md, nineteenth session)."""
-    p = _pow2(n)
-    if p <= 64:
-        return p
-    return next(p * f // 16 for f in BUCKET_SIXTEENTHS if n <= p * f // 16)
-
-
-def _token_buckets(max_tokens: int) -> set[int]:
-    """Every value _token_bucket takes up to max_tokens, and max_tokens itself."""
-    pows = [1 << i for i in range(max_tokens.bit_length() + 1)]
-    subs = {p * f // 16 for p in pows if p > 64 for f in BUCKET_SIXTEENTHS}
-    return {b for b in set(pows) | subs if b < max_tokens} | {max_tokens}
-
-
-def decode_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
-    """Every shape step_shape gives a decode step (one token a row), fewest rows first."""
-    rows = _buckets(min(max_rows, max_tokens))
-    return sorted({step_shape(r, r, 1, max_rows, max_tokens) for r in rows})
-
-
-def prefill_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int, int]]:
-    """Every shape step_shape gives a step with a prompt chunk, fewest tokens first."""
-    rows = _buckets(max_rows)
-    toks = {t for t in _token_buckets(max_tokens) if t > 1}
-    shapes = {step_shape(r, t, 2, max_rows, max_tokens) for r in rows for t in toks if r <= t}
-    return sorted(shapes, key=lambda s: (s[1], s[0]))
-
-
-def _buckets(cap: int) -> set[int]:
-    # A representative of every bucket up to cap: the powers of two below it, and cap itself.
-    return {1 << i for i in range(cap.bit_length()) if 1 << i < cap} | {cap}
-
-
-class _Staging:
-    """Pinned host arrays mirrored by device views; filled per step, copied in one transfer each.
-
-    Two host buffers alternate, each guarded by an event, so a step can be filled
-    while the previous step's copy may still be in flight (steps that need no exit
-    flags are launched without waiting for the device).
-    """
-
-    def __init__(self, layout: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device):
-        sizes = {k: math.prod(s) for k, s in layout.items()}
-        total = sum(sizes.values())
-        pin = device.type == "cuda"
-        self.hosts = [torch.zeros(total, dtype=dtype, pin_memory=pin) for _ in range(2)]
-        self.events = [torch.cuda.Event() if pin else None for _ in range(2)]
-        self.device = torch.zeros(total, dtype=dtype, device=device)
-        self.views, self.dev, self.offset, off = [{}, {}], {}, {}, 0
-        for k, shape in layout.items():
-            for host, views in zip(self.hosts, self.views):
-                views[k] = host.numpy()[off : off + sizes[k]].reshape(shape)
-            self.dev[k] = self.device[off : off + sizes[k]].view(shape)
-            self.offset[k] = off
-            off += sizes[k]
-        self.cur = 0
-
-    def begin(self) -> dict[str, np.ndarray]:
-        """Switch to the other host buffer once its last copy is done; returns its arrays."""
-        self.cur ^= 1
-        if self.events[self.cur] is not None:
-            self.events[self.cur].synchronize()
-        return self.views[self.cur]
-
-    def upload(self, size: int | None = None) -> None:
-        """Copy the first `size` elements (all by default) to the device."""
-        size = self.device.numel() if size is None else size
-        self.device[:size].copy_(self.hosts[self.cur][:size], non_blocking=True)
-        if self.events[self.cur] is not None:
-            self.events[self.cur].record()
-
-
-class GpuModelRunner:
+class GpuRunner:
     def __init__(
         self,
         model: OuroForCausalLM,
@@ -152,8 +50,6 @@ class GpuModelRunner:
         keep_logits: bool = False,
         use_graphs: bool = True,
     ):
-        from .sampling import Sampler
-
         cfg = model.config
         self.model, self.cfg, self.device = model, cfg, device
         self.block_size = block_size
@@ -167,8 +63,8 @@ class GpuModelRunner:
         self.max_rows, self.max_tokens = r, n
         tok, row = (n,), (r,)
         i64 = {"ids": tok, "pos": tok, "slot": tok, "hsrc": tok, "last": row, "prev_last": row, "store": row}
-        self.i64 = _Staging(i64, torch.int64, device)
-        self.i32 = _Staging(
+        self.i64 = StagingBuffers(i64, torch.int64, device)
+        self.i32 = StagingBuffers(
             {"q_start": row, "len": row, "tok_off": row, "loop": row, "lo": row, "hi": row, "log1mq": row,
              "bt": (r, mb)}, torch.int32, device,
         )  # fmt: skip
@@ -176,39 +72,33 @@ class GpuModelRunner:
         self.ls_prev = torch.zeros(n + 1, dtype=torch.float32, device=device)
         self.exits = torch.zeros(r, dtype=torch.bool, device=device)
         self.x_last = torch.zeros(r, cfg.hidden_size, dtype=dtype, device=device)
-        self.prop: _Staging | None = None  # propagation pairs (src half, dst half), sized on first use
+        self.prop: StagingBuffers | None = None  # propagation pairs (src half, dst half), sized on first use
         self.prop_half = 0
+        # Pairs one step can owe: every token and row of the last step, into each deeper plane.
+        self.prop_capacity = (n + r) * max(cfg.total_ut_steps - 1, 1)
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.lanes = DecodeLanes(self, max_rows, cfg.total_ut_steps, max_blocks_per_seq, seed)
 
     # ---- inputs ----------------------------------------------------------------
 
-    def _fill(self, sched, tables: np.ndarray, rows: int, tokens: int) -> None:
+    def _fill(self, plan: StepPlan, rows: int, tokens: int) -> None:
         """Write the step's inputs into the pinned buffers, padding up to `rows`/`tokens`."""
-        r, n = sched.num_rows, sched.num_step_tokens
+        r, n = plan.num_rows, plan.num_tokens
         a, b = self.i64.begin(), self.i32.begin()
-        a["ids"][:n], a["pos"][:n] = sched.token_ids[:n], sched.positions[:n]
-        a["slot"][:n], a["hsrc"][:n] = sched.slot_mapping[:n], sched.hidden_src[:n]
+        a["ids"][:n], a["pos"][:n] = plan.token_ids, plan.positions
+        a["slot"][:n], a["hsrc"][:n] = plan.slot_mapping, plan.hidden_src
         a["ids"][n:tokens], a["pos"][n:tokens], a["slot"][n:tokens], a["hsrc"][n:tokens] = 0, 0, -1, -1
-        last = sched.row_tok_off[:r] + sched.row_len[:r] - 1
+        last = plan.tok_off + plan.length - 1
         a["last"][:r] = last
-        a["prev_last"][:r] = sched.hidden_src[last]
+        a["prev_last"][:r] = plan.hidden_src[last]
         a["store"][:r] = last
         # Padding rows park their exit statistics in a spare slot past the real tokens.
         a["last"][r:rows], a["prev_last"][r:rows], a["store"][r:rows] = 0, -1, self.max_tokens
-        b["bt"][:r] = tables[sched.row_kv_slot[:r], sched.row_loop[:r]]
-        b["q_start"][:r], b["len"][:r], b["tok_off"][:r] = (
-            sched.row_start[:r],
-            sched.row_len[:r],
-            sched.row_tok_off[:r],
-        )
-        b["loop"][:r], b["lo"][:r], b["hi"][:r] = (
-            sched.row_loop[:r],
-            sched.row_exit_lo[:r],
-            sched.row_exit_hi[:r],
-        )
-        b["log1mq"][:r] = sched.row_log1mq[:r].view(np.int32)  # float32 bits travel in the int32 buffer
+        b["bt"][:r] = plan.block_tables[plan.kv_slot, plan.loop]
+        b["q_start"][:r], b["len"][:r], b["tok_off"][:r] = plan.start, plan.length, plan.tok_off
+        b["loop"][:r], b["lo"][:r], b["hi"][:r] = plan.loop, plan.exit_lo, plan.exit_hi
+        b["log1mq"][:r] = plan.log1mq.view(np.int32)  # float32 bits travel in the int32 buffer
         b["bt"][r:rows], b["q_start"][r:rows], b["len"][r:rows], b["tok_off"][r:rows] = -1, 0, 0, 0
         b["loop"][r:rows], b["lo"][r:rows], b["hi"][r:rows] = 0, 127, 127
         self.i64.upload()
@@ -293,10 +183,11 @@ class GpuModelRunner:
             self._forward(*shape)
         self.graphs[shape] = g
 
-    def capture(self, lanes: bool = True) -> None:
+    def capture(self, lanes: bool = True, compile_threads: int | None = None) -> None:
         """Capture the step graphs up front (start-up): decode shapes, then the shapes of steps with
         a prompt chunk, up to MAX_GRAPHS; with `lanes`, the run-ahead lane graphs too. Steps of a
-        shape not captured run eagerly: no request ever waits for a capture (30-80 ms each)."""
+        shape not captured run eagerly: no request ever waits for a capture (30-80 ms each).
+        compile_threads: the parallel kernel compiles before the capture (None: the CPUs, at most 16)."""
         if not self.use_graphs:
             return
         t0 = time.perf_counter()
@@ -304,7 +195,7 @@ class GpuModelRunner:
         shapes = decode_shapes(*caps) + prefill_shapes(*caps)
         with torch.inference_mode():
             # Every launch below once, compiling only: the variants compile side by side, not one by one.
-            precompile(lambda: self._launch_all(shapes, lanes))
+            precompile(lambda: self._launch_all(shapes, lanes), compile_threads)
             self._compile_prefill_attention(shapes[MAX_GRAPHS:])
             for shape in shapes[:MAX_GRAPHS]:
                 self._capture(shape)
@@ -317,7 +208,7 @@ class GpuModelRunner:
     def _launch_all(self, shapes: list[tuple[int, int, int]], lanes: bool) -> None:
         """Launch once each kernel variant that capture() launches (precompile's walk). Every layer launches
         the same variants, so the walk runs one: each launch costs the walk Python time even when its variant
-        is in the disk cache (with 24 layers the walk made a warm start-up ~2-5 s slower, s32 call04)."""
+        is in the disk cache (with 24 layers the walk made a warm start-up ~2-5 s slower)."""
         layers = self.model.model.layers
         self.model.model.layers = layers[:1]
         try:
@@ -334,7 +225,7 @@ class GpuModelRunner:
         """Compile the prefill attention variants the given (uncaptured, eager) step shapes use now:
         compiling one on first use (~0.5-0.8 s on the H200) stalled every request in that step.
         Captured shapes compile theirs in the capture's warm-up."""
-        from ..kernels import paged_attention
+        from ...kernels import paged_attention
 
         cfg, kc, vc = self.cfg, self.kv_cache[0, 0], self.kv_cache[1, 0]
         for rows, tokens, q_len in shapes:
@@ -348,11 +239,11 @@ class GpuModelRunner:
             # Rows of length 0: nothing is read or written, but the launch compiles the variant.
             paged_attention(q, kc, vc, bt, zeros, zeros, zeros, self.block_size, q_len, 1.0)
 
-    def propagate(self, sched) -> None:
-        """Last-exited propagation; the pairs travel through pinned staging (a pageable copy would
-        wait for the whole stream, stalling the host behind steps it launched without waiting)."""
-        k = sched.num_prop
-        self._propagate_pairs(sched.prop_src[:k], sched.prop_dst[:k], len(sched.prop_src))
+    def propagate(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Last-exited propagation: copy slot src[i] to dst[i] in every layer, K and V. The pairs travel
+        through pinned staging (a pageable copy would wait for the whole stream, stalling the host
+        behind steps it launched without waiting)."""
+        self._propagate_pairs(src, dst, self.prop_capacity)
 
     def _propagate_pairs(self, src: np.ndarray, dst: np.ndarray, capacity: int) -> None:
         k = len(src)
@@ -361,7 +252,7 @@ class GpuModelRunner:
             # compiled variant (Triton specializes pointer alignment), warmed at start-up.
             n = max(k, capacity, 2)
             self.prop_half = n + n % 2
-            self.prop = _Staging({"pairs": (2 * self.prop_half,)}, torch.int64, self.device)
+            self.prop = StagingBuffers({"pairs": (2 * self.prop_half,)}, torch.int64, self.device)
         h = self.prop_half
         pairs = self.prop.begin()["pairs"]
         pairs[:k], pairs[h : h + k] = src, dst
@@ -373,8 +264,7 @@ class GpuModelRunner:
         """Compile now the kernels the host path launches outside graphs: the propagation (first
         used at the first early exit) and the sampler on float32 logits (~0.1 and ~0.4 s on the
         H200, measured as stalls of the first such step before this)."""
-        from ..kernels.sample import sample_gumbel
-        from .sampling import GREEDY_EPS
+        from ...kernels.sample import sample_gumbel
 
         none = np.full(1, -1, np.int64)  # a pair with negative slots copies nothing
         self._propagate_pairs(none, none, 1)
@@ -385,24 +275,19 @@ class GpuModelRunner:
         sample_gumbel(rows, one, seed, GREEDY_EPS, min(vocab, rows.shape[1]))
 
     @torch.inference_mode()
-    def execute(self, sched, tables: np.ndarray, sampling: RowSampling) -> StepResult:
-        r, n = sched.num_rows, sched.num_step_tokens
-        if sched.num_prop:
-            self.propagate(sched)
-        shape = step_shape(r, n, int(sched.row_len[:r].max()), self.max_rows, self.max_tokens)
-        self._fill(sched, tables, shape[0], shape[1])
+    def execute(self, plan: StepPlan) -> StepResult:
+        r = plan.num_rows
+        if plan.num_prop:
+            self.propagate(plan.prop_src, plan.prop_dst)
+        shape = step_shape(r, plan.num_tokens, int(plan.length.max()), self.max_rows, self.max_tokens)
+        self._fill(plan, shape[0], shape[1])
         self.run_shape(shape)
-        loops = sched.row_loop[:r]
-        if not (sched.row_exit_lo[:r] <= loops).any():
+        if not plan.may_exit():
             # No row may exit at this loop: nothing to read back, so do not wait for the device.
             return StepResult(np.zeros(r, np.uint8), np.zeros(r, np.int32))
-        if (sched.row_exit_hi[:r] <= loops).all():
+        if plan.all_exit():
             # Every row reached its last loop (full depth): the exits are known without a device read.
             exited = np.ones(r, np.uint8)
         else:
             exited = self.exits[:r].to(torch.uint8).cpu().numpy()
-        return sample_exited(self, sched, self.x_last[:r], exited, sampling)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+        return sample_exited(self.model, self.sampler, plan, self.x_last[:r], exited, self.keep_logits)

@@ -1,0 +1,59 @@
+"""EngineConfig: every setting of the engine, with its default and meaning.
+
+The server exposes each field as a command-line flag and an OURO_FAST_* variable
+(server/config.py); the offline LLM takes them as keyword arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    """How to build an Engine. `model` None serves the embedded tiny default (random weights)."""
+
+    model: str | None = None  # a checkpoint directory (config.json, safetensors, tokenizer files)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU; or float32, bfloat16, float16
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_num_seqs: int = 64  # rows per step = requests holding KV at once
+    max_num_batched_tokens: int = 512  # tokens per step (prefill chunks included)
+    max_waiting: int = 1024  # requests queued beyond the running ones
+    max_model_len: int | None = None  # default: the config's max_position_embeddings
+    block_size: int = 16  # positions per KV block
+    kv_cache_bytes: int | None = None  # default: 256 MiB on CPU, 85% of free memory on CUDA
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes
+    refill: bool = True  # False: a batch drains to its slowest row before new rows join (for comparisons)
+    seed: int = 0  # seeds the sampler of unseeded requests
+    keep_logits: bool = False  # keep each output token's logits on its request (tests; no run-ahead)
+    runner: str = "auto"  # "torch" (the reference), "triton" (kernels + CUDA graphs); auto: triton on CUDA
+    cuda_graphs: bool = True  # capture every step shape at start-up (triton runner on CUDA)
+    cpu_threads: int | None = 1  # torch threads on CPU (None: torch's default); leaves a core to HTTP
+    run_ahead: bool = True  # triton runner: decode-only batches launch ahead of their exit read-back
+    # Also at full depth, where it hides the host's per-step work instead of an exit read-back.
+    run_ahead_full_depth: bool = True
+    run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
+    compile_threads: int | None = None  # start-up kernel compiles in parallel; None: the CPUs, at most 16
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {self.dtype!r}")
+        return dtypes[self.dtype]
+
+    def resolved_runner(self, device: torch.device) -> str:
+        kind = self.runner
+        if kind == "auto":
+            kind = "triton" if device.type == "cuda" else "torch"
+        if kind not in ("torch", "triton"):
+            raise ValueError(f"runner must be auto, torch or triton; got {kind!r}")
+        return kind
