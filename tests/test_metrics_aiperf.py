@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from bench.aiperf.validate import AIPERF_REQUIRED_METRICS
-from ouro_fast.server import client
+from ouro_fast.server import engine_client as client
 from ouro_fast.server.metrics import ABORT_REASONS, FINISH_REASONS, REJECT_REASONS, ServerMetrics
 from ouro_fast.server.owner import EngineSnapshot
 

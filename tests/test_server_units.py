@@ -14,7 +14,7 @@ from ouro_fast.core.ring import RequestRing
 from ouro_fast.engine.outputs import RequestOutput, StepStats
 from ouro_fast.engine.sampling import SamplingParams
 from ouro_fast.server import protocol, stream
-from ouro_fast.server.client import EngineClient
+from ouro_fast.server.engine_client import EngineClient
 from ouro_fast.server.config import ConfigError, ServerConfig
 from ouro_fast.server.metrics import ServerMetrics
 from ouro_fast.server.owner import (

@@ -19,7 +19,7 @@ from sanic.exceptions import SanicException
 from sanic.response import HTTPResponse
 
 from . import generate, protocol
-from .client import EngineClient
+from .engine_client import EngineClient
 from .config import ServerConfig
 from .protocol import ApiError
 

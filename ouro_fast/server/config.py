@@ -115,6 +115,16 @@ class ServerConfig:
             )
 
 
+def listen_address(environ: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """`ouro-fast serve`'s default host and port: OURO_FAST_HOST and OURO_FAST_PORT, else 127.0.0.1:8000."""
+    environ = os.environ if environ is None else environ
+    port = environ.get(env_name("port"), "").strip()
+    try:
+        return environ.get(env_name("host"), "").strip() or "127.0.0.1", int(port or 8000)
+    except ValueError:
+        raise ConfigError(f"{env_name('port')}={port!r} is not a valid int") from None
+
+
 _BOOLS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
 
 

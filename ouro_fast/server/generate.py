@@ -14,7 +14,7 @@ import time
 from sanic.response import HTTPResponse
 
 from . import protocol, stream
-from .client import EngineClient, RequestHandle
+from .engine_client import EngineClient, RequestHandle
 from .owner import Rejected
 from .protocol import ApiError, GenerateRequest
 

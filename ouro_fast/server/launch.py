@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, ServerConfig, env_name
+from .config import ConfigError, ServerConfig, env_name, listen_address
 
 # Settings that are not command-line options: test_faults is test-only, set by environment.
 _NOT_OPTIONS = frozenset({"test_faults"})
@@ -31,8 +31,13 @@ _HELP = {
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Add the serve options to parser and make `serve` its command."""
-    parser.add_argument("--host", default=os.environ.get("OURO_FAST_HOST") or "127.0.0.1")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("OURO_FAST_PORT") or 8000))
+    host, port = listen_address()
+    parser.add_argument(
+        "--host", default=host, help="address to listen on; env OURO_FAST_HOST, default 127.0.0.1"
+    )
+    parser.add_argument(
+        "--port", type=int, default=port, help="port to listen on; env OURO_FAST_PORT, default 8000"
+    )
     parser.add_argument("--access-log", action="store_true", help="log every request")
     for f in dataclasses.fields(ServerConfig):
         if f.name in _NOT_OPTIONS:
