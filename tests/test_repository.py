@@ -163,7 +163,8 @@ HISTORY = [
     re.compile(r"\bs\d{1,3}[ _-]?call ?\d+", re.I),  # "s32 call04"
     re.compile(r"\bcall ?0\d\b", re.I),  # "call02"
     re.compile(r"\bissues? #?\d+", re.I),  # "issue 5", "issue #8"
-    re.compile(r"(^|[\s(\[])#\d+\b"),  # "#8" (a reference to a tracker entry)
+    # "#8" as a reference to a tracker entry: "(#8)", "blocked on #8", "#8 is ..." at a line's start
+    re.compile(r"\(#\d+\)|\b(closes|fixes|resolves|see|on|by|in)\s+#\d+\b|^\s*[-*]?\s*\**#\d+\b", re.I | re.M),
     re.compile(r"\.\./shared\b"),  # paths outside the repository
     re.compile(r"\banchors\.md\b"),
     re.compile(r"h200-20\d\d-\d\d-\d\d-s\d+", re.I),  # per-period result folders
@@ -202,6 +203,8 @@ def history_words(text: str) -> list[str]:
         "see call02",
         "fixes issue 5",
         "blocked on #8",
+        "**#8 (GPU) is marked blocked.**",
+        "the fix (#12)",
         "see ../shared/docs/ouro-spec.md",
         "vLLM's figures (docs/anchors.md)",
         "bench/results/gpu/h200-2026-12-03-s33/",
