@@ -98,6 +98,7 @@ class ServerProcess:
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -108,9 +109,14 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         m = _SAMPLE.match(line)
         assert m, f"malformed metrics line {line!r}"
-        labels = re.sub(r'model_name="(?:[^"\\]|\\.)*",?', "", m.group(2) or "").replace("{}", "")
-        out[m.group(1) + labels] = float(m.group(3))
+        labels = [f'{k}="{v}"' for k, v in _LABEL.findall(m.group(2) or "") if k != "model_name"]
+        out[m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")] = float(m.group(3))
     return out
+
+
+def sample(metrics, name: str, **labels: str) -> float | None:
+    """One series of a ServerMetrics' registry, read directly (model_name implied)."""
+    return metrics.registry.get_sample_value(name, {"model_name": metrics.model_name, **labels})
 
 
 @dataclass

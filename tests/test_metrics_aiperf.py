@@ -8,6 +8,9 @@ window, so a labelled series must exist before the window starts.
 import re
 from pathlib import Path
 
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.aiperf.validate import AIPERF_REQUIRED_METRICS
 from ouro_fast.server import engine_client as client
 from ouro_fast.server.metrics import ABORT_REASONS, FINISH_REASONS, REJECT_REASONS, ServerMetrics
@@ -78,8 +81,9 @@ def busy_metrics() -> ServerMetrics:
     m.first_token(0.02)
     m.request_done("length", 5, 3, 0.5, 0.1)
     m.request_done("stop", 300, 1, 0.2, None)
-    m.generation_tokens = 4
-    m.rejected["overload"] += 2
+    m.output_batch(4)
+    m.rejected("overload")
+    m.rejected("overload")
     m.engine = EngineSnapshot(running=2, waiting=3, kv_blocks_used=40, kv_blocks_total=160, preemptions=7,
                               run_ahead_steps=11, run_ahead_runs=2, run_ahead_riders=3,
                               run_ahead_exit_steps=5,
@@ -90,12 +94,12 @@ def busy_metrics() -> ServerMetrics:
 
 def test_text_format_is_valid_idle_and_busy():
     for m in (ServerMetrics("idle"), busy_metrics()):
-        fams = strict_parse(m.render())
+        fams = strict_parse(m.render().decode())
         assert fams["vllm:num_requests_running"]["type"] == "gauge"
 
 
 def test_aiperf_finds_every_required_name():
-    missing = set(AIPERF_REQUIRED_METRICS) - aiperf_names(strict_parse(busy_metrics().render()))
+    missing = set(AIPERF_REQUIRED_METRICS) - aiperf_names(strict_parse(busy_metrics().render().decode()))
     assert not missing, missing
 
 
@@ -106,13 +110,13 @@ def values(text: str, name: str, key: str | None = None, family: str | None = No
 
 
 def test_labelled_counters_exist_at_zero_before_anything_happens():
-    text = ServerMetrics("m").render()
+    text = ServerMetrics("m").render().decode()
     assert values(text, "vllm:request_success_total", "finished_reason") == dict.fromkeys(FINISH_REASONS, 0)
     assert values(text, "ouro_fast:requests_rejected_total", "reason") == dict.fromkeys(REJECT_REASONS, 0)
     assert values(text, "ouro_fast:requests_aborted_total", "reason") == dict.fromkeys(ABORT_REASONS, 0)
     busy = busy_metrics()
-    busy.aborted["a_new_reason"] += 1  # a reason not listed in advance still shows up
-    text = busy.render()
+    busy.aborted("a_new_reason")  # a reason not listed in advance still shows up
+    text = busy.render().decode()
     assert values(text, "vllm:request_success_total", "finished_reason") == {
         "stop": 1,
         "length": 1,
@@ -128,12 +132,12 @@ def test_the_listed_reasons_are_the_ones_the_server_uses():
     # appear mid-run.
     assert set(client._REJECTION_REASONS.values()) <= set(REJECT_REASONS)
     src = "".join((Path(client.__file__).parent / f).read_text() for f in ("client.py", "generate.py"))
-    used = set(re.findall(r'abort\(handle, "(\w+)"\)', src)) | set(re.findall(r'aborted\["(\w+)"\]', src))
+    used = set(re.findall(r'abort\(handle, "(\w+)"\)', src)) | set(re.findall(r'aborted\("(\w+)"', src))
     assert used and used <= set(ABORT_REASONS), used
 
 
 def test_exits_per_loop_preemptions_and_request_token_histograms():
-    text = busy_metrics().render()
+    text = busy_metrics().render().decode()
     assert values(text, "ouro_fast:loop_exits_total", "loop") == {"0": 4, "1": 0, "2": 3, "3": 2}
     # The exit-depth histogram says the same, cumulatively: depth d = loop index d - 1.
     depth = values(text, "ouro_fast:token_exit_depth_bucket", "le", family="ouro_fast:token_exit_depth")
@@ -146,9 +150,75 @@ def test_exits_per_loop_preemptions_and_request_token_histograms():
     assert values(text, "ouro_fast:run_ahead_riders_total") == {None: 3}
     assert values(text, "ouro_fast:run_ahead_exit_steps_total") == {None: 5}
     fams = strict_parse(text)
-    prompt = {lab["le"]: v for n, lab, v in fams["vllm:request_prompt_tokens"]["samples"] if "le" in lab}
-    assert (prompt["2"], prompt["5"], prompt["200"], prompt["500"], prompt["+Inf"]) == (0, 1, 1, 2, 2)
-    gen = {lab["le"]: v for n, lab, v in fams["vllm:request_generation_tokens"]["samples"] if "le" in lab}
-    assert (gen["1"], gen["2"], gen["5"]) == (1, 1, 2)
+    buckets = lambda name: {float(lab["le"]): v for _, lab, v in fams[name]["samples"] if "le" in lab}
+    prompt, gen = buckets("vllm:request_prompt_tokens"), buckets("vllm:request_generation_tokens")
+    assert [prompt[b] for b in (2, 5, 200, 500, float("inf"))] == [0, 1, 1, 2, 2]
+    assert [gen[b] for b in (1, 2, 5)] == [1, 1, 2]
     sums = {n: v for n, lab, v in fams["vllm:request_generation_tokens"]["samples"] if "le" not in lab}
     assert sums == {"vllm:request_generation_tokens_sum": 4, "vllm:request_generation_tokens_count": 2}
+
+
+# Every family on the page, named as prometheus_client's parser names it (a counter without _total).
+FAMILIES = {
+    **dict.fromkeys(("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "ouro_fast:kv_blocks_used", "ouro_fast:kv_blocks_total", "ouro_fast:requests_in_flight",
+                     "ouro_fast:ready", "ouro_fast:engine_out_of_service"), "gauge"),
+    **dict.fromkeys(("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
+                     "vllm:num_preemptions", "ouro_fast:requests_rejected", "ouro_fast:requests_aborted",
+                     "ouro_fast:engine_steps", "ouro_fast:engine_step_failures", "ouro_fast:refills",
+                     "ouro_fast:preemptions", "ouro_fast:run_ahead_steps", "ouro_fast:run_ahead_runs",
+                     "ouro_fast:run_ahead_riders", "ouro_fast:run_ahead_exit_steps",
+                     "ouro_fast:owner_wakeups", "ouro_fast:output_batches", "ouro_fast:loop_rows",
+                     "ouro_fast:loop_exits"), "counter"),
+    **dict.fromkeys(("vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds",
+                     "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
+                     "vllm:request_generation_tokens", "ouro_fast:token_exit_depth", "ouro_fast:step_rows"),
+                    "histogram"),
+}  # fmt: skip
+
+
+def parsed(m: ServerMetrics) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} as prometheus_client's parser reads the page."""
+    fams = text_string_to_metric_families(m.render().decode())
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples}
+
+
+def test_prometheus_parser_finds_every_family_with_its_type():
+    busy = {f.name: f for f in text_string_to_metric_families(busy_metrics().render().decode())}
+    assert {name: f.type for name, f in busy.items()} == FAMILIES
+    assert all(s.labels["model_name"] == "m" for f in busy.values() for s in f.samples)
+    idle = {f.name: f.type for f in text_string_to_metric_families(ServerMetrics("m").render().decode())}
+    # The batch-size histogram appears with the engine's first step.
+    assert idle == {name: kind for name, kind in FAMILIES.items() if name != "ouro_fast:step_rows"}
+
+
+def test_counters_move_when_a_request_completes():
+    m = busy_metrics()
+    before = parsed(m)
+    m.first_token(0.01)
+    m.output_batch(3)
+    m.request_done("stop", 7, 3, 0.2, 0.05)
+    after = parsed(m)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted({"model_name": "m", **labels}.items())))
+        return after[key] - before[key]
+
+    assert delta("vllm:request_success_total", finished_reason="stop") == 1
+    assert delta("vllm:request_success_total", finished_reason="length") == 0
+    assert delta("vllm:prompt_tokens_total") == 7 and delta("vllm:generation_tokens_total") == 3
+    assert delta("ouro_fast:output_batches_total") == 1
+    for name in ("vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
+                 "vllm:request_generation_tokens"):  # fmt: skip
+        assert delta(name + "_count") == 1, name
+    assert delta("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.025)
+    assert delta("vllm:e2e_request_latency_seconds_bucket", le="0.1") == 0
+    assert delta("vllm:e2e_request_latency_seconds_bucket", le="0.25") == 1
+
+
+def test_each_server_has_its_own_registry():
+    a, b = ServerMetrics("a"), ServerMetrics("b")  # the same metric names twice in one process
+    a.output_batch(5)
+    assert parsed(a)[("vllm:generation_tokens_total", (("model_name", "a"),))] == 5
+    assert parsed(b)[("vllm:generation_tokens_total", (("model_name", "b"),))] == 0

@@ -11,10 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 from ouro_fast.engine.llm import LLM
 from ouro_fast.engine.sampling import SamplingParams
 from tests.server_helpers import ServerProcess, bench_stream
+from tests.test_metrics_aiperf import FAMILIES
 
 KV_BLOCKS = 1024  # 2048 tokens per request on the tiny model; a small pool keeps the test light
 NAMES = ("ouro-tiny-random", "tiny")
@@ -209,6 +212,33 @@ def test_owner_sleeps_while_idle(server):
     first = server.metrics()["ouro_fast:owner_wakeups_total"]
     time.sleep(0.5)
     assert server.metrics()["ouro_fast:owner_wakeups_total"] == first
+
+
+def test_metrics_page_as_prometheus_reads_it(server, sdk):
+    """/metrics parses with prometheus_client's parser, and a completed request moves its counters."""
+
+    def scrape() -> tuple[dict, dict]:
+        r = httpx.get(server.url + "/metrics", timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE_LATEST
+        fams = list(text_string_to_metric_families(r.text))
+        values = {(s.name, *sorted((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
+                  for f in fams for s in f.samples}  # fmt: skip
+        return {f.name: f.type for f in fams}, values
+
+    wait_idle(server)
+    kinds, before = scrape()
+    assert kinds == FAMILIES
+    resp = sdk.completions.create(model=MODEL, prompt="Count the loops", max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    _, after = scrape()
+    delta = lambda *key: after[key] - before[key]
+    assert delta("vllm:request_success_total", ("finished_reason", "length")) == 1
+    assert delta("vllm:request_success_total", ("finished_reason", "stop")) == 0
+    assert delta("vllm:prompt_tokens_total") == resp.usage.prompt_tokens > 0
+    assert delta("vllm:generation_tokens_total") == 5
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("ouro_fast:engine_steps_total") >= 5
 
 
 def test_long_prompt_is_counted_exactly(server, llm):

@@ -16,7 +16,7 @@ from ouro_fast.engine.sampling import SamplingParams
 from ouro_fast.server import protocol, stream
 from ouro_fast.server.engine_client import EngineClient
 from ouro_fast.server.config import ConfigError, ServerConfig
-from ouro_fast.server.metrics import ServerMetrics
+from ouro_fast.server.metrics import REJECT_REASONS, ServerMetrics
 from ouro_fast.server.owner import (
     ABORT,
     MAX_FAILURES_IN_A_ROW,
@@ -26,7 +26,7 @@ from ouro_fast.server.owner import (
     parse_faults,
 )
 from ouro_fast.server.protocol import ApiError, ModelInfo
-from tests.server_helpers import parse_metrics
+from tests.server_helpers import parse_metrics, sample
 
 INFO = ModelInfo(names=("m", "alias"), root="/x", max_model_len=64, max_request_tokens=48, vocab_limit=100,
                  num_loops=4)  # fmt: skip
@@ -144,10 +144,10 @@ def test_metrics_text():
     m.first_token(0.03)
     m.first_token(100.0)
     m.request_done("length", 5, 3, 1.0, 0.2)
-    m.aborted["slow_client"] += 1
+    m.aborted("slow_client")
     m.engine = EngineSnapshot(kv_blocks_used=3, kv_blocks_total=12, exit_depth=[1, 0, 2, 5],
                               step_rows=[4, 1] + [0] * 9, rows_total=6)  # fmt: skip
-    text = m.render()
+    text = m.render().decode()
     assert 'model_name="quote\\"d"' in text
     v = parse_metrics(text)
     assert v["vllm:kv_cache_usage_perc"] == 0.25 and v["vllm:prompt_tokens_total"] == 5
@@ -201,7 +201,7 @@ def test_admission_bounds_and_ring_full():
         assert e.value.status == 429 and "ring" in e.value.message
         # The refused submission left no payload behind (the owner would never pop it).
         assert [p for p, _ in client.payloads.values()] == [[1], [2], [3], [5]]
-        assert client.metrics.rejected["overload"] == 2
+        assert sample(client.metrics, "ouro_fast:requests_rejected_total", reason="overload") == 2
 
     asyncio.run(scenario())
 
@@ -217,13 +217,16 @@ def test_dispatch_routes_outputs_and_drops_slow_clients():
             assert [o.new_token_ids for o in await fast.next()] == [[step]]
         assert slow.dropped and slow.transport.aborted and not fast.dropped
         assert client.ring.pop_many(8) == [(ABORT, slow.key)]
-        assert client.metrics.engine is snap and client.metrics.output_batches == 3
-        assert client.metrics.generation_tokens == 6 and client.metrics.ttft.counts != [0] * 19
+        m = client.metrics
+        assert m.engine is snap and sample(m, "ouro_fast:output_batches_total") == 3
+        assert sample(m, "vllm:generation_tokens_total") == 6
+        assert sample(m, "vllm:time_to_first_token_seconds_count") == 2
         # The handler leaves before the engine's final: still counted until the final arrives.
         client.release(slow)
         assert slow.request_id in client.handles
         client._dispatch([output(slow.request_id, [], "abort")], snap)
-        assert slow.request_id not in client.handles and client.metrics.finished["abort"] == 1
+        assert slow.request_id not in client.handles
+        assert sample(m, "vllm:request_success_total", finished_reason="abort") == 1
 
     asyncio.run(scenario())
 
@@ -242,7 +245,7 @@ def test_abort_backlog_when_the_ring_is_full():
             if not client._backlog:
                 break
         assert client.ring.pop_many(8) == [(ABORT, a.key), (ABORT, b.key)]
-        assert client.metrics.aborted["disconnect"] == 2
+        assert sample(client.metrics, "ouro_fast:requests_aborted_total", reason="disconnect") == 2
 
     asyncio.run(scenario())
 
@@ -364,4 +367,5 @@ def test_error_handler_counts_refusals_before_submission_once():
     assert run("/v1/completions", ApiError(400, "refused by the engine"), submitted=True) == 400
     assert run("/v1/completions", ApiError(429, "full")) == 429
     assert run("/tokenize", ApiError(400, "bad")) == 400  # not a generation request
-    assert metrics.rejected == {"invalid": 2}
+    rejected = {r: sample(metrics, "ouro_fast:requests_rejected_total", reason=r) for r in REJECT_REASONS}
+    assert rejected == {**dict.fromkeys(REJECT_REASONS, 0), "invalid": 2}

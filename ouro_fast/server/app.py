@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sanic import Request, Sanic
 from sanic.exceptions import SanicException
 from sanic.response import HTTPResponse
@@ -121,7 +122,7 @@ async def on_error(request: Request, exc: Exception) -> HTTPResponse:
     submitted = getattr(request.ctx, "submitted", False)
     if err.status in _INVALID_STATUSES and request.path in _GENERATION_PATHS and not submitted:
         # Refused while parsing, before the engine saw it (the engine's refusals are counted by the client).
-        _client(request).metrics.rejected["invalid"] += 1
+        _client(request).metrics.rejected("invalid")
     return generate.json_response(err.body(), err.status, err.headers())
 
 
@@ -173,5 +174,4 @@ async def health(request: Request) -> HTTPResponse:
 
 @app.get("/metrics")
 async def metrics(request: Request) -> HTTPResponse:
-    text = _client(request).metrics.render()
-    return HTTPResponse(text, content_type="text/plain; version=0.0.4; charset=utf-8")
+    return HTTPResponse(_client(request).metrics.render(), content_type=CONTENT_TYPE_LATEST)

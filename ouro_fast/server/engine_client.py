@@ -147,7 +147,7 @@ class EngineClient:
         """Admit a request (429 when full, 503 when not serving); its outputs arrive on the handle."""
         self.require_ready()
         if len(self.handles) >= self.config.max_in_flight:
-            self.metrics.rejected["overload"] += 1
+            self.metrics.rejected("overload")
             raise ApiError(429, f"the server is full ({len(self.handles)} requests in flight); retry later",
                            code="server_overloaded", retry_after=1)  # fmt: skip
         key, self._next_key = self._next_key, self._next_key + 1
@@ -155,7 +155,7 @@ class EngineClient:
         self.payloads[key] = (prompt_ids, params)
         if not self.ring.push(SUBMIT, key):
             del self.payloads[key]
-            self.metrics.rejected["overload"] += 1
+            self.metrics.rejected("overload")
             raise ApiError(
                 429, "the request ring is full; retry later", code="server_overloaded", retry_after=1
             )
@@ -170,7 +170,7 @@ class EngineClient:
         if handle.finished or handle.abort_sent:
             return
         handle.abort_sent = True
-        self.metrics.aborted[reason] += 1
+        self.metrics.aborted(reason)
         self._push(ABORT, handle.key)
 
     def release(self, handle: RequestHandle) -> None:
@@ -212,27 +212,28 @@ class EngineClient:
     def _dispatch(self, batch: list, snapshot: EngineSnapshot) -> None:
         """Route one step's outputs to their requests' queues (runs on the loop)."""
         self.metrics.engine = snapshot
-        self.metrics.output_batches += 1
         now = time.monotonic()
+        tokens = 0
         for out in batch:
             handle = self.handles.get(out.request_id)
             if handle is None:
                 continue
             if isinstance(out, Rejected):
                 handle.finished = True
-                self.metrics.rejected[_REJECTION_REASONS.get(out.status, "error")] += 1
+                self.metrics.rejected(_REJECTION_REASONS.get(out.status, "error"))
             else:
-                self._account(handle, out, now)
+                tokens += self._account(handle, out, now)
             try:
                 handle.queue.put_nowait(out)
             except asyncio.QueueFull:
                 self._drop(handle)
             if handle.finished and handle.released:
                 self._forget(handle)
+        self.metrics.output_batch(tokens)
 
-    def _account(self, handle: RequestHandle, out, now: float) -> None:
+    def _account(self, handle: RequestHandle, out, now: float) -> int:
+        """Time one output against its request; returns the tokens it carried."""
         n = len(out.new_token_ids)
-        self.metrics.generation_tokens += n
         if n and handle.first_token_at is None:
             handle.first_token_at = now
             self.metrics.first_token(now - handle.arrival)
@@ -241,6 +242,7 @@ class EngineClient:
             decode = None if handle.first_token_at is None else now - handle.first_token_at
             done = self.metrics.request_done
             done(out.finish_reason, out.prompt_tokens, out.completion_tokens, now - handle.arrival, decode)
+        return n
 
     def _drop(self, handle: RequestHandle) -> None:
         """A client that stopped reading: abort its request and cut its connection at once."""
@@ -266,7 +268,7 @@ class EngineClient:
             await asyncio.sleep(0.02)
         if self.handles:
             logger.info("shutdown: aborting %d requests still in flight", len(self.handles))
-            self.metrics.aborted["shutdown"] += len(self.handles)
+            self.metrics.aborted("shutdown", len(self.handles))
             self._push(ABORT_ALL, 0)
             deadline = self.loop.time() + 5.0
             while any(not h.released for h in self.handles.values()) and self.loop.time() < deadline:
