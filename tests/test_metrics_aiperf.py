@@ -128,10 +128,10 @@ def test_labelled_counters_exist_at_zero_before_anything_happens():
 
 
 def test_the_listed_reasons_are_the_ones_the_server_uses():
-    # Reasons the server counts (client.py, generate.py) are listed in advance, so their series never
+    # Reasons the server counts (engine_client.py, generate.py) are listed in advance, so their series never
     # appear mid-run.
     assert set(client._REJECTION_REASONS.values()) <= set(REJECT_REASONS)
-    src = "".join((Path(client.__file__).parent / f).read_text() for f in ("client.py", "generate.py"))
+    src = "".join((Path(client.__file__).parent / f).read_text() for f in ("engine_client.py", "generate.py"))
     used = set(re.findall(r'abort\(handle, "(\w+)"\)', src)) | set(re.findall(r'aborted\("(\w+)"', src))
     assert used and used <= set(ABORT_REASONS), used
 
