@@ -121,6 +121,7 @@ def test_labelled_counters_exist_at_zero_before_anything_happens():
         "stop": 1,
         "length": 1,
         "abort": 0,
+        "error": 0,
     }
     assert values(text, "ouro_fast:requests_rejected_total", "reason")["overload"] == 2
     assert values(text, "ouro_fast:requests_aborted_total", "reason") == {

@@ -27,7 +27,7 @@ TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
 # vLLM's buckets for per-request token counts (1, 2, 5 x powers of ten).
 TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 # Label values each labelled counter shows from the start (others still appear when counted).
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = ("invalid", "overload", "error", "unavailable")
 ABORT_REASONS = ("disconnect", "slow_client", "shutdown")
 _EXITS_HELP = "Generated tokens that exited after loop `loop` (0-based), i.e. ran loop+1 loops."
