@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the HTTP API against one real server (issue 6).
+"""Property-based fuzzing of the HTTP API against one real server.
 
 POST /v1/completions, /v1/chat/completions, /tokenize and /detokenize get raw bytes
 (invalid JSON and UTF-8, duplicate keys, NaN/Infinity literals, huge numbers, deep

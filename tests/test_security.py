@@ -1,4 +1,4 @@
-"""Security basics (issue 6) on one server with an API key and a small body limit: 401 for a
+"""Security basics on one server with an API key and a small body limit: 401 for a
 missing or wrong key, 413 past the size limit, error bodies without tracebacks or paths, and no
 CORS headers (the server has no CORS option: it is off)."""
 

@@ -1,4 +1,4 @@
-"""SIGTERM while 32 streams are open (issue 6), on `ouro-fast serve` in one process.
+"""SIGTERM while 32 streams are open, on `ouro-fast serve` in one process.
 
 test_server_lifecycle.py covers one short and one long stream in Sanic's two-process
 mode; this one holds 32 long streams at once, some of them never read after their first

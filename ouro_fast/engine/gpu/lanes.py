@@ -162,7 +162,7 @@ class DecodeLanes:
         """Stage the kill mask (lanes the host ended), the riders' lanes (in their step-row order)
         and the block-table rows that changed. A launch with no riders, no changed rows and the kill
         mask already on the device copies nothing: a copy between two lane graphs delays the second
-        by ~8 us (H200, twentieth session)."""
+        by ~8 us on the H200."""
         mask = np.zeros(self.max_lanes, np.int32)
         if kill is not None:
             mask[: len(kill)] = kill
