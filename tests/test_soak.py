@@ -1,4 +1,4 @@
-"""The CI version of bench/soak.py (issue 6): 200 requests at concurrency 16 against a real server,
+"""The CI version of bench/soak.py: 200 requests at concurrency 16 against a real server,
 with the same mix of client disconnects, a burst past the admission bound, stalled readers and two
 injected engine faults; every request must be accounted for and the server left clean."""
 

@@ -10,7 +10,7 @@
 # lacks pydantic, pyzmq, orjson and msgspec; AIPerf imports ffmpeg-python (which imports future),
 # crick, cyclopts, ruamel.yaml and pydantic-settings (python-dotenv) even for a text benchmark.
 #
-# A wheel that .device-wheels/ (../shared/tools/device-wheels.sh: Sanic and the vLLM client) already
+# A wheel that .device-wheels/ (bench/gpu/device-wheels.sh: Sanic and the vLLM client) already
 # holds in the same version is not copied: wheels.txt names it there instead. Carry both folders.
 #
 #   bash bench/aiperf/device-wheels.sh           # here, from the repo root; prints the folder's size
