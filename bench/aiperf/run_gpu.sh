@@ -9,9 +9,9 @@
 # Device call, from the repo root, after `python3 -m pip install --no-build-isolation --no-deps .`,
 # carrying .device-wheels (bench/gpu/device-wheels.sh) and .aiperf-wheels (bench/aiperf/device-wheels.sh):
 #   COMMIT=<sha>[+dirty] bash bench/aiperf/run_gpu.sh
-# Writes $OUT (default bench/results/aiperf-gpu-<UTC time>, git-ignored): $OUT/aiperf.tgz (both results folders: manifests, AIPerf's summaries and records, server
-# logs) and, in $OUT/aiperf/, summary-full.md, manifest-full.json, summary-exit<T>.md,
-# manifest-exit<T>.json and run_gpu.log; prints the summaries last. Exit status 1 if a pass failed
+# Writes to $OUT (default bench/results/aiperf-gpu-<UTC time>, git-ignored): aiperf.tgz (both results
+# folders: manifests, AIPerf's summaries and records, server logs) and, in aiperf/, summary-full.md,
+# manifest-full.json, summary-exit<T>.md, manifest-exit<T>.json and run_gpu.log; prints the summaries last. Exit status 1 if a pass failed
 # validation, 3 if the set-up failed.
 #
 # Settings (environment): PRESET (ouro-1.4b), DTYPE (bfloat16), DEVICE (cuda), RUNNER (auto), SCALE (4),
