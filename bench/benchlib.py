@@ -23,6 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
+def default_out(name: str) -> Path:
+    """bench/results/<name>-<UTC time>: where a benchmark writes its raw output unless told otherwise
+    (bench/results/ is git-ignored: raw output is never committed)."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return RESULTS / f"{name}-{stamp}"
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Linear-interpolated q-quantile (0..1) of an already sorted, non-empty sequence."""
     n = len(sorted_values)

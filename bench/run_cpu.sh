@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run every CPU benchmark of issue 5 into bench/results/NAME and write its summary.md
+# Run every CPU benchmark into bench/results/NAME (git-ignored) and write its summary.md
 # (about two minutes on 2 cores). Check `uptime` first: the numbers are only as quiet as the machine.
 #   bash bench/run_cpu.sh [NAME]
 # PYTHON: the project's interpreter (default python3); the vLLM scheduler runs in the client venv

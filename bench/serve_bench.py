@@ -20,16 +20,16 @@ rejected or aborted; and TTFT/TPOT/ITL/E2EL means, medians and p99 present.
 All runs go ahead; the exit status is 1 if any run failed validation, after
 manifest.json and summary.md are written.
 
-Output (--out DIR): results/<run>.json (the client's raw files, --save-detailed),
-manifest.json (machine, commit, model, server and client command lines, start-up
+Output (--out DIR, default bench/results/serve-<UTC time>): results/<run>.json (the client's raw
+files, --save-detailed), manifest.json (machine, commit, model, server and client command lines, start-up
 seconds, per-run /metrics deltas with the loop-depth histogram, the final /metrics
 text), summary.md, server.log and logs/<run>.log.
 
 Run from the repo root:
   python -m bench.serve_bench --preset tiny --dtype float32 --device cpu --runner torch --quick \
-      --exit-threshold 0.5 --out bench/results/serve-cpu-DATE
+      --exit-threshold 0.5
   python3 -m bench.serve_bench --preset ouro-1.4b --dtype bfloat16 --device cuda \
-      --client-python python3 --exit-threshold 0.5 --out /tmp/serve     # GPU machine
+      --client-python python3 --exit-threshold 0.5     # GPU machine (bench/gpu/serve_gpu.sh does this)
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.benchlib import cpu_model, git_commit
+from bench.benchlib import cpu_model, default_out, git_commit
 
 DEFAULT_CLIENT_PYTHON = "/tmp/ouro_fast-vllm-client/bin/python"
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -697,7 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--client-timeout", type=float, default=900.0)
     p.add_argument("--commit", help="the commit to record when the tree has no .git (append +dirty if so)")
-    p.add_argument("--out", required=True, help="results folder")
+    p.add_argument("--out", help="results folder (default: bench/results/serve-<UTC time>)")
     return p
 
 
@@ -754,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, _terminate)
-    out = Path(args.out).resolve()
+    out = Path(args.out or default_out("serve")).resolve()
     (out / "results").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)

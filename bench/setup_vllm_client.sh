@@ -12,7 +12,7 @@
 #         CLIENT_VENV=/somewhere bash bench/setup_vllm_client.sh
 # Then:   VLLM_TARGET_DEVICE=cpu $CLIENT_VENV/bin/python -m vllm.entrypoints.cli.main bench serve ...
 #
-# On the GPU machine (no network) use ../shared/tools/device-wheels.sh instead:
+# On the GPU machine (no network) use bench/gpu/device-wheels.sh instead:
 # run it here in the repo root, carry .device-wheels/ with the project, and there
 #   eval $(bash .device-wheels/install.sh)
 #   python3 -m vllm.entrypoints.cli.main bench serve ...

@@ -17,7 +17,7 @@ counters agree, that the engine holds no KV and runs nothing, that the server's
 threads, file descriptors and memory are back near their level before the load, and
 that /health answers 200. Bounded in time and count; writes a JSON summary (--out).
 
-    python -m bench.soak --out soak.json            # 2,000 requests at concurrency 64
+    python -m bench.soak --out bench/results/soak.json     # 2,000 requests at concurrency 64
 """
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ def summarize(folder: Path) -> str:
         for policy in ("full", "mixed"):
             if pick(sched["results"], policy=policy):
                 parts += scheduler_table(sched, vllm, policy) + [""]
-        parts += waiting_table(sched, vllm) + ["", "### Targets (issue 5)", ""] + targets(sched, vllm) + [""]
+        parts += waiting_table(sched, vllm) + ["", "### Targets", ""] + targets(sched, vllm) + [""]
         cand = candidate_table(sched)
         if cand:
             parts += ["### Proposed fast path (candidate)", ""] + cand + [""]

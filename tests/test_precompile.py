@@ -1,7 +1,7 @@
 """kernels/precompile.py: inside the walk a launch compiles (in a thread pool) and does not run; afterwards
 every variant is in its kernel's cache; a compile error surfaces; off under the interpreter.
 
-The compiles run in subprocesses with bench/gpu/offline_compile.py's mock driver (sm_90, no GPU)."""
+The compiles run in subprocesses with the mock driver of tests/offline_compile.py (sm_90, no GPU)."""
 
 import gc
 import json
@@ -22,7 +22,7 @@ from ouro_fast.kernels.precompile import compile_threads, precompile  # noqa: E4
 ROOT = Path(__file__).resolve().parents[1]
 SNIPPET = """
 import json, sys
-sys.path[:0] = [ROOT, ROOT + "/bench/gpu"]
+sys.path[:0] = [ROOT, ROOT + "/tests"]
 import torch, triton, triton.language as tl
 from triton import knobs
 from triton.runtime.jit import JITFunction

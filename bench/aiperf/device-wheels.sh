@@ -3,14 +3,14 @@
 # Python 3.12, x86-64) beyond that machine's image, as cp312 wheels, plus install.sh to put them there.
 #
 # The list was found by running every scenario (bench/aiperf/run.py) with AIPerf on a Python 3.12
-# environment holding only packages of the image's list (/work/.library/device/KINDS.md: numpy,
-# pandas, transformers, tokenizers, huggingface-hub, aiohttp, uvloop, rich, psutil, pyyaml, ...)
+# environment holding only packages of the GPU machine's image (numpy, pandas, transformers,
+# tokenizers, huggingface-hub, aiohttp, uvloop, rich, psutil, pyyaml, ...)
 # plus the wheels below, adding each module that was missing until all nine scenarios ran and were
 # valid; versions are those of a full `pip install aiperf==0.13.0` (bench/aiperf/setup.sh). The image
 # lacks pydantic, pyzmq, orjson and msgspec; AIPerf imports ffmpeg-python (which imports future),
 # crick, cyclopts, ruamel.yaml and pydantic-settings (python-dotenv) even for a text benchmark.
 #
-# A wheel that .device-wheels/ (../shared/tools/device-wheels.sh: Sanic and the vLLM client) already
+# A wheel that .device-wheels/ (bench/gpu/device-wheels.sh: Sanic and the vLLM client) already
 # holds in the same version is not copied: wheels.txt names it there instead. Carry both folders.
 #
 #   bash bench/aiperf/device-wheels.sh           # here, from the repo root; prints the folder's size
@@ -22,7 +22,6 @@ DEST=${DEST:-.aiperf-wheels}
 SHARED=.device-wheels
 PY=${PYTHON:-python3}
 mkdir -p "$DEST"
-grep -qx "/$DEST/" .git/info/exclude 2> /dev/null || echo "/$DEST/" >> .git/info/exclude
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
   --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64

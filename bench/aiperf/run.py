@@ -12,8 +12,8 @@ request returned exactly its max_tokens as counted by the server, the server's
 counters agree with AIPerf's records, AIPerf's server-metrics export lists the
 vLLM-named and ouro_fast:* metrics and meets the scenario's expectations.
 
-Output (--out DIR): manifest.json and summary.md for the run; per scenario
-DIR/<scenario>/ with its own manifest.json, AIPerf's summary
+Output (--out DIR, default bench/results/aiperf-<UTC time>): manifest.json and summary.md for
+the run; per scenario DIR/<scenario>/ with its own manifest.json, AIPerf's summary
 (profile_export_aiperf.json/.csv), per-request records (profile_export.jsonl),
 the server-metrics export (server_metrics_export.json/.csv) and aiperf.log
 (--keep-all also keeps inputs.json, AIPerf's logs and per-phase files); server
@@ -21,8 +21,7 @@ logs as server-<n>.log. Exit status 1 if any scenario is invalid (after
 everything is written), 2 on bad arguments.
 
   bash bench/aiperf/setup.sh                  # the AIPerf venv, /tmp/ouro_fast-aiperf
-  python -m bench.aiperf.run --scenario smoke --preset tiny --dtype float32 --device cpu --runner torch \
-      --out /tmp/aiperf-smoke
+  python -m bench.aiperf.run --scenario smoke --preset tiny --dtype float32 --device cpu --runner torch
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from pathlib import Path
 
 from bench.aiperf import manifest as mf
 from bench.aiperf.validate import validate_artifacts
+from bench.benchlib import default_out
 from bench.serve_bench import Server, free_port, metrics_delta, model_facts, parse_metrics, prepare_model
 
 HERE = Path(__file__).resolve().parent
@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aiperf-timeout", type=float, default=900.0, help="seconds one AIPerf run may take")
     p.add_argument("--commit", help="the commit to record when the tree has no .git ('SHA' or 'SHA+dirty')")
     p.add_argument("--keep-all", action="store_true", help="keep every AIPerf file (inputs, logs, phases)")
-    p.add_argument("--out", required=True, help="results folder")
+    p.add_argument("--out", help="results folder (default: bench/results/aiperf-<UTC time>)")
     return p
 
 
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     catalogue = load_catalogue()
     names = select(catalogue, args.scenario)
     signal.signal(signal.SIGTERM, _terminate)
-    out = Path(args.out).resolve()
+    out = Path(args.out or default_out("aiperf")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.ckpt_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -7,11 +7,11 @@
 # count x SCALE, then EXIT_SCENARIOS again at exit_threshold THRESHOLD. Every run is validated.
 #
 # Device call, from the repo root, after `python3 -m pip install --no-build-isolation --no-deps .`,
-# carrying .device-wheels (../shared/tools/device-wheels.sh) and .aiperf-wheels (bench/aiperf/device-wheels.sh):
+# carrying .device-wheels (bench/gpu/device-wheels.sh) and .aiperf-wheels (bench/aiperf/device-wheels.sh):
 #   COMMIT=<sha>[+dirty] bash bench/aiperf/run_gpu.sh
-# Writes $OUT/aiperf.tgz (both results folders: manifests, AIPerf's summaries and records, server
-# logs) and, in $OUT/aiperf/, summary-full.md, manifest-full.json, summary-exit<T>.md,
-# manifest-exit<T>.json and run_gpu.log; prints the summaries last. Exit status 1 if a pass failed
+# Writes to $OUT (default bench/results/aiperf-gpu-<UTC time>, git-ignored): aiperf.tgz (both results
+# folders: manifests, AIPerf's summaries and records, server logs) and, in aiperf/, summary-full.md,
+# manifest-full.json, summary-exit<T>.md, manifest-exit<T>.json and run_gpu.log; prints the summaries last. Exit status 1 if a pass failed
 # validation, 3 if the set-up failed.
 #
 # Settings (environment): PRESET (ouro-1.4b), DTYPE (bfloat16), DEVICE (cuda), RUNNER (auto), SCALE (4),
@@ -22,7 +22,7 @@
 # machine (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-: "${OUT:?set OUT to the folder that receives the results}"
+OUT=${OUT:-bench/results/aiperf-gpu-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT/aiperf"
 exec > >(tee -a "$OUT/aiperf/run_gpu.log") 2>&1
 PRESET=${PRESET:-ouro-1.4b}

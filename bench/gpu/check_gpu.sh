@@ -4,9 +4,9 @@
 # bench/gpu/engine_probe.py twice: with programmatic dependent launch (the default on Hopper) and
 # with OURO_FAST_PDL=0, so the two step times can be compared on one machine in one call.
 #
-# Device call (repo root, carry .device-wheels):  bash bench/gpu/check_gpu.sh
-# Writes to $OUT: check_gpu.log (everything printed), pytest.xml, engine_probe_pdl.json and
-# engine_probe_nopdl.json. Settings: TESTS (the test files, or none), PROBES ("pdl nopdl"; also
+# Device call (repo root, carry .device-wheels; bench/gpu/device-wheels.sh builds it):  bash bench/gpu/check_gpu.sh
+# Writes to $OUT (default bench/results/check-gpu-<UTC time>, git-ignored): check_gpu.log (everything
+# printed), pytest.xml, engine_probe_pdl.json and engine_probe_nopdl.json. Settings: TESTS (the test files, or none), PROBES ("pdl nopdl"; also
 # "noahead": PDL on, run-ahead decode off; "fullahead": run-ahead at full depth too; or
 # "TAG:VAR=VALUE,VAR=VALUE" for a probe with those environment variables, e.g.
 # "earlyoff:OURO_FAST_EARLY_WEIGHT=0"), PROBE_CASES (engine_probe's cases; "none" for graph times only),
@@ -14,7 +14,7 @@
 # in this shell: eval "$(bash .device-wheels/install.sh)" exported).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-: "${OUT:?set OUT to the folder that receives the results}"
+export OUT=${OUT:-bench/results/check-gpu-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/check_gpu.log") 2>&1
 TESTS=${TESTS:-tests/test_kernels.py tests/test_decode_attention.py tests/test_skinny_gemm.py tests/test_gpu_runner.py}

@@ -1,12 +1,20 @@
-"""Engine-only probe on the GPU: 128-in / 64-out decode at concurrency 1 and 8, full depth and threshold 0.5.
+"""The engine on the GPU, no HTTP: 128 tokens in, 64 out, concurrency 1 and 8, full depth and threshold 0.5.
 
-Generates the ouro-1.4b preset (random bf16 weights) on first use, warms up,
-then prints per configuration: tokens/s, ms per loop step, TTFT, and the split of
-a step into scheduler / model / detokenization; the GPU time of one captured loop
-step at 1 and 8 rows against the weight-streaming floor; start-up time and GPU
-memory; and a torch-profiler table of the top kernels. Usage (GPU machine):
-python3 bench/gpu/engine_probe.py [RUNNER] where RUNNER is auto (default), triton
-or torch. OURO_FAST_PDL=0 turns programmatic dependent launch off, for comparison.
+Generates the ouro-1.4b preset (random bf16 weights, in OURO_PROBE_CKPT, default /tmp/ck14) on first use,
+warms up, then prints per case: tokens/s, ms per loop step, TTFT, and the split of a step into
+scheduler / model / detokenization; the GPU time of one captured loop step (step graph and run-ahead
+lane graph) at 1 and 8 rows against the weight-streaming floor; start-up time and GPU memory; and a
+torch-profiler table of the top kernels. Usage (GPU machine, repo root, the package installed):
+
+    python3 -P bench/gpu/engine_probe.py [RUNNER]        # RUNNER: auto (default), triton or torch
+
+Settings (environment): PROBE_CASES ("conc:threshold/...", "none": graph times only), PROBE_RUN_AHEAD
+(1, full: full-depth batches too, as the server runs them, or 0), PROBE_CLOSED
+("conc:threshold:prompts[:K]/..." closed loops, every engine call timed by kind; K: a profiler trace
+after the K-th completion),
+PROBE_TRACE=1 (a chrome trace of the profiled steps), PROBE_LOG_COMPILES=1 (Triton compiles after
+start-up), PROBE_TAG, OURO_FAST_PDL=0 (programmatic dependent launch off, for comparison).
+Writes engine_probe_<tag>.json (and any traces) to $OUT, by default bench/results/engine-probe-<UTC time>/.
 """
 
 from __future__ import annotations
@@ -29,6 +37,17 @@ sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this fi
 from replay_timing import replay_ms  # noqa: E402
 
 CKPT = os.environ.get("OURO_PROBE_CKPT", "/tmp/ck14")
+_OUT: list[str] = []
+
+
+def out_dir() -> str:
+    """$OUT, or a new bench/results/engine-probe-<UTC time>/ (git-ignored) made on first use."""
+    if not _OUT:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        default = Path(__file__).resolve().parents[2] / "bench" / "results" / f"engine-probe-{stamp}"
+        _OUT.append(os.environ.get("OUT") or str(default))
+        os.makedirs(_OUT[0], exist_ok=True)
+    return _OUT[0]
 
 
 def run_case(eng: Engine, rng, conc: int, q: float) -> dict:
@@ -132,8 +151,7 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
             if traced == 60:
                 torch.cuda.synchronize()
                 prof.stop()
-                out = os.environ.get("OUT", "/tmp")
-                prof.export_chrome_trace(os.path.join(out, f"closed_{conc}_{q}.json"))
+                prof.export_chrome_trace(os.path.join(out_dir(), f"closed_{conc}_{q}.json"))
                 prof, trace_after = None, -1
         for o in outs:
             if o.finished:
@@ -211,8 +229,7 @@ def main() -> None:
     print(json.dumps(memory), flush=True)
     table = profile_table(eng, rng) if os.environ.get("PROBE_PROFILE", "1") != "0" else ""
     tag = os.environ.get("PROBE_TAG", runner)
-    out = os.environ.get("OUT", "/tmp")
-    with open(os.path.join(out, f"engine_probe_{tag}.json"), "w") as f:
+    with open(os.path.join(out_dir(), f"engine_probe_{tag}.json"), "w") as f:
         json.dump({"runner": runner, "results": results, "graph_loop_step": graph_steps, **memory,
                    "profile_top_kernels": table}, f, indent=1)  # fmt: skip
 
@@ -228,7 +245,7 @@ def profile_table(eng: Engine, rng) -> str:
             eng.step()
         torch.cuda.synchronize()
     if os.environ.get("PROBE_TRACE"):
-        prof.export_chrome_trace(os.path.join(os.environ.get("OUT", "/tmp"), "trace.json"))
+        prof.export_chrome_trace(os.path.join(out_dir(), "trace.json"))
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
     print(table)
     return table

@@ -5,17 +5,18 @@
 # full depth at concurrency 1 (32 prompts) and 8 (64), a Poisson run at 4 requests/s (64), and
 # exit_threshold 0.5 (through --extra-body, same server) at concurrency 1 and 8.
 #
-# Device call (repo root, carry .device-wheels; built here by ../shared/tools/device-wheels.sh):
+# Device call (repo root, carry .device-wheels; bench/gpu/device-wheels.sh builds it):
 #   COMMIT=<sha>[+dirty] bash bench/gpu/serve_gpu.sh
-# Writes to $OUT (only a few files and two folder levels come back): summary.md (the table, and the
-# validation errors if any), manifest.json, results.tgz (every raw client JSON, logs, the server
-# log) and serve_gpu.log. Exit status: serve_bench's (1 if any run failed validation).
+# Writes to $OUT (default bench/results/serve-gpu-<UTC time>, git-ignored; only a few files and two
+# folder levels come back from a device call): summary.md (the table, and the validation errors if any),
+# manifest.json, results.tgz (every raw client JSON, logs, the server log) and serve_gpu.log. Exit
+# status: serve_bench's (1 if any run failed validation).
 #
-# Budget (H200 machine, s22): the server is ready in ~12 s with Triton's cache warm (~40 s on a fresh
-# machine); each `vllm bench serve` call then costs ~21 s of client start on top of its run: one warm-up per
-# depth policy, plus one call per run (c=1 with 32 prompts runs ~8.5 s, c=8 with 64 ~2.5 s). The defaults
-# (5 runs, 2 warm-ups) need ~5-6 min; one c=8 run alone ~65 s after the server is ready. The first call on a
-# machine also generates the checkpoint (~17 s, s23) inside DEADLINE_S: give the first server that much more.
+# Budget on the H200: the server is ready in ~12 s with Triton's cache warm (~15 s on a fresh machine);
+# each `vllm bench serve` call then costs ~21 s of client start on top of its run: one warm-up per depth
+# policy, plus one call per run (c=1 with 32 prompts runs ~8.5 s, c=8 with 64 ~2.5 s). The defaults
+# (5 runs, 2 warm-ups) need ~5-6 min; one c=8 run alone ~65 s after the server is ready. The first call on
+# a machine also generates the checkpoint (~17 s) inside DEADLINE_S.
 #
 # Settings (environment): PRESET (ouro-1.4b), DTYPE (bfloat16), DEVICE (cuda), RUNNER (auto),
 # CONCURRENCY (1:32,8:64), RATE (4:64, '' for none), THRESHOLD (0.5, '' for none), PYTHON and CLIENT_PYTHON
@@ -25,7 +26,7 @@
 # script runs on a CPU machine (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-: "${OUT:?set OUT to the folder that receives the results}"
+OUT=${OUT:-bench/results/serve-gpu-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/serve_gpu.log") 2>&1
 PRESET=${PRESET:-ouro-1.4b}

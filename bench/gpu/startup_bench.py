@@ -1,11 +1,13 @@
 """Server start-up: seconds from launch to a ready /health, with Triton's cache cold (an empty
 TRITON_CACHE_DIR, as on a fresh machine) and then warm (the same cache again), for each setting.
 
-    python3 bench/gpu/startup_bench.py --model CKPT --out s.jsonl walk "serial OURO_FAST_COMPILE_THREADS=1"
+    python3 -P bench/gpu/startup_bench.py --model CKPT walk "serial OURO_FAST_COMPILE_THREADS=1"
 
 A setting is a label and VAR=VAL environment entries. Prints and appends one JSON object per start: the
 setting, cold or warm, seconds to ready, and the server's own start-up log lines (the compile walk, the
-graph capture, the engine build). The checkpoint must exist (ouro-fast make-checkpoint); not timed here.
+graph capture, the engine build); each server's log goes beside it. --out defaults to
+bench/results/startup-<UTC time>.jsonl (git-ignored). The checkpoint must exist (`ouro-fast
+make-checkpoint`); not timed here.
 """
 
 from __future__ import annotations
@@ -61,11 +63,14 @@ def start_once(model: str, env: dict, port: int, log: Path, timeout: float) -> d
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--out", required=True, help="JSON lines file to append to")
+    p.add_argument("--out", help="JSON lines file to append to (default: bench/results/startup-<time>.jsonl)")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--timeout", type=float, default=240.0)
     p.add_argument("settings", nargs="+", help='"label VAR=VAL ..." (one argument each)')
     args = p.parse_args()
+    if args.out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        args.out = str(Path(__file__).resolve().parents[2] / "bench" / "results" / f"startup-{stamp}.jsonl")
     logs = Path(args.out).with_suffix("")
     logs.mkdir(parents=True, exist_ok=True)
     for setting in args.settings:

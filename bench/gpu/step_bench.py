@@ -10,11 +10,13 @@ step (engine/riders.py), and the loop's cuBLAS matmuls alone at T rows. `--attn-
 (decode_config patched, in this process only). `--host-replay` adds each graph's host time a replay() call
 takes, the GPU idle and busy (replay_timing.host_replay_us). Environment switches (OURO_FAST_PDL,
 OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE, OURO_FAST_EARLY_KV) are read at import:
-run one process per setting, e.g.
+run one process per setting, and alternate them so that machine drift shows, e.g.
 
-    for v in "" skinny norm; do OURO_FAST_PDL_PLAIN=$v python3 bench/gpu/step_bench.py --tag "$v"; done
+    for r in a b; do for v in 1 0; do
+      OURO_FAST_PDL=$v python3 -P bench/gpu/step_bench.py --tag "pdl$v-$r"
+    done; done
 
-or through bench/gpu/loop_ab.py, which alternates rounds and prints one table.
+Prints one JSON line (loop milliseconds per row count); nothing is written.
 """
 
 from __future__ import annotations
