@@ -167,6 +167,7 @@ HISTORY = [
     re.compile(r"\(#\d+\)|\b(closes|fixes|resolves|see|on|by|in)\s+#\d+\b|^\s*[-*]?\s*\**#\d+\b", re.I | re.M),
     re.compile(r"\.\./shared\b"),  # paths outside the repository
     re.compile(r"\banchors\.md\b"),
+    re.compile(r"(?<![\w.])/work/\w+"),  # this workplace's checkouts
     re.compile(r"h200-20\d\d-\d\d-\d\d-s\d+", re.I),  # per-period result folders
 ]
 # Binary and vendored files, and this file (it spells the patterns out).
@@ -206,6 +207,7 @@ def history_words(text: str) -> list[str]:
         "**#8 (GPU) is marked blocked.**",
         "the fix (#12)",
         "see ../shared/docs/ouro-spec.md",
+        "from /work/shared/docs/ouro-spec.md",
         "vLLM's figures (docs/anchors.md)",
         "bench/results/gpu/h200-2026-12-03-s33/",
     ],

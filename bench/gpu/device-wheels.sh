@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.."
 DEST=${DEST:-.device-wheels}
 PY=${PYTHON:-python3}
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
-SERVER=(sanic==25.12.1 ujson==6.1.0)
+SERVER=(sanic==25.12.1 ujson==6.1.0 prometheus_client==0.26.0)
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
   --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
