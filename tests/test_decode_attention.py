@@ -19,7 +19,7 @@ from ouro_fast.kernels import (  # noqa: E402
     rope_cos_sin_table,
     rope_write_kv,
 )
-from ouro_fast.kernels.decode_attention import decode_config  # noqa: E402
+from ouro_fast.kernels.split_kv_attention import decode_config  # noqa: E402
 from ouro_fast.model import triton_attention  # noqa: E402
 from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention  # noqa: E402
 

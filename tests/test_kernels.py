@@ -23,7 +23,7 @@ from ouro_fast.kernels import (  # noqa: E402
     rope_write_kv,
     silu_and_mul,
 )
-from ouro_fast.kernels.attention import attention_config  # noqa: E402
+from ouro_fast.kernels.prefill_attention import attention_config  # noqa: E402
 from ouro_fast.model import ouro  # noqa: E402
 from ouro_fast.model.attention import PagedBatch, PagedTorchAttention, causal_attend  # noqa: E402
 from ouro_fast.model.config import OuroConfig  # noqa: E402

@@ -121,8 +121,8 @@ def variants(args) -> list[tuple[str, dict | None]]:
 
 def bench_case(rows: int, context: int, args) -> list[dict]:
     from ouro_fast.kernels import paged_attention, paged_decode_attention
-    from ouro_fast.kernels.attention import attention_config
-    from ouro_fast.kernels.decode_attention import decode_config
+    from ouro_fast.kernels.prefill_attention import attention_config
+    from ouro_fast.kernels.split_kv_attention import decode_config
 
     case = make_case(rows, context, args.max_model_len, args.layers)
     meta = [case[k] for k in ("block_tables", "row_q_start", "row_len", "row_tok_off")]

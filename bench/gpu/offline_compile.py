@@ -121,7 +121,7 @@ def compile_tc_gemm(n: int, k: int, m: int, silu_mul: bool, partial: bool, swigl
 
 def compile_paged_attention(block_q: int, block_n: int, warps: int) -> dict:
     """The prompt steps' paged attention at one tile config, as paged_attention launches it (bf16, MHA)."""
-    from ouro_fast.kernels import attention
+    from ouro_fast.kernels import prefill_attention as attention
 
     q = torch.empty(144, 16, 128, dtype=torch.bfloat16)
     kc = torch.empty(4096, 16, 128, dtype=torch.bfloat16)

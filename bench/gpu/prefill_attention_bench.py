@@ -79,7 +79,7 @@ def label(cfg: dict | None) -> str:
 
 def bench_case(name: str, args) -> list[dict]:
     from ouro_fast.kernels import paged_attention
-    from ouro_fast.kernels.attention import attention_config
+    from ouro_fast.kernels.prefill_attention import attention_config
 
     c = make_case(*CASES[name], args.layers)
     q, out, ref = c["q"], torch.empty_like(c["q"]), torch.empty_like(c["q"])

@@ -7,12 +7,12 @@ tensors' contents change. On a machine without CUDA, set TRITON_INTERPRET=1
 before importing triton to run them on the CPU (slowly: tests only).
 """
 
-from .attention import paged_attention
-from .decode_attention import paged_decode_attention
 from .fused_decode import fused_decode_attention
 from .norm import add_rms_norm, rms_norm
+from .prefill_attention import paged_attention
 from .propagate import propagate_kv
 from .rope_kv import rope_cos_sin_table, rope_write_kv
+from .split_kv_attention import paged_decode_attention
 from .swiglu import silu_and_mul
 
 __all__ = [

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import interpreting, next_pow2
+from .launch import interpreting, next_pow2
 from .rounding import round_to
 
 

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from . import tc_gemm
-from ._util import (
+from .launch import (
     ArrivalCounters,
     check_float,
     check_paged_inputs,
@@ -55,7 +55,9 @@ from ._util import (
     next_pow2,
     sm_count,
 )
-from .decode_attention import (
+from .pdl import pdl_enabled, pdl_enter
+from .rounding import round_to
+from .split_kv_attention import (
     attend_slice,
     launch_config,
     load_kv_tile,
@@ -65,8 +67,6 @@ from .decode_attention import (
     store_normalised,
     store_partial,
 )
-from .pdl import pdl_enabled, pdl_enter
-from .rounding import round_to
 from .stamps import stamp
 
 # One counter per (row, KV head); 8192 covers 512 rows of 16 KV heads without growing.

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import interpreting
+from .launch import interpreting
 
 
 # Early release: a kernel lets the next one launch BEFORE its own wait, so that a matmul behind a small

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..model.ouro import rope_cos_sin
-from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from .launch import check_float, check_same_dtype, interpreting, next_pow2
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, next_pow2
+from .launch import check_float, next_pow2
 from .pdl import pdl_enter, pdl_launch
 
 

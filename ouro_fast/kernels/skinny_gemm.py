@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._util import ArrivalCounters, check_float, check_same_dtype, interpreting, next_pow2, sm_count
+from .launch import ArrivalCounters, check_float, check_same_dtype, interpreting, next_pow2, sm_count
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 from .swiglu import silu_and_mul, silu_mul

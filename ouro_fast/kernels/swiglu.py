@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, interpreting
+from .launch import check_float, interpreting
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 

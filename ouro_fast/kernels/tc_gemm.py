@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from ._util import sm_count
+from .launch import sm_count
 from .pdl import EARLY as PDL_EARLY
 from .pdl import pdl_enabled
 

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...kernels._util import interpreting, next_pow2
 from ...kernels.exit_gate import log_survival
+from ...kernels.launch import interpreting, next_pow2
 from ...kernels.pdl import pdl_enter, pdl_launch
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, check_paged_inputs, interpreting, next_pow2
+from .launch import check_float, check_paged_inputs, interpreting, next_pow2
 from .rounding import round_to
 
 

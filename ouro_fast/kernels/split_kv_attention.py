@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, check_paged_inputs, interpreting, next_pow2
+from .launch import check_float, check_paged_inputs, interpreting, next_pow2
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 
