@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: pip install 'triton>=3.0')")
 
 from ouro_fast.kernels import (  # noqa: E402
-    fused_decode,
+    decode_attention,
     fused_decode_attention,
     paged_attention,
     paged_decode_attention,
@@ -292,7 +292,7 @@ def test_fused_decode_resets_its_counters():
     for seed in (1, 2):
         case = rope_case(CONTEXTS, 4, 4, 2, 16, torch.float32, seed=seed, no_write=(3,))
         check_fused(case, 4, {"NUM_SPLITS": 8, "BLOCK_N": 8}, torch.float32)
-        counters = fused_decode._COUNTERS[case["q"].device]
+        counters = decode_attention._COUNTERS[case["q"].device]
         assert len(counters) == 1 and not counters[0].any()
 
 
@@ -334,7 +334,7 @@ def test_fused_decode_loads_its_first_tile_before_the_wait_bit_for_bit(monkeypat
     # An early launch loads the metadata and each slice's first K/V tile before its PDL wait (forced here,
     # also where no PDL runs): the same bits as the three launches. Contexts up to 100 at 16-wide tiles
     # also run the tiles after the first.
-    monkeypatch.setattr(fused_decode, "early_kv", lambda device, row_heads: early)
+    monkeypatch.setattr(decode_attention, "early_kv", lambda device, row_heads: early)
     case = rope_case(CONTEXTS, 4, 4, 2, 32, torch.bfloat16, seed=41 + splits, no_write=(1,))
     check_fused(case, 4, {"NUM_SPLITS": splits, "BLOCK_N": 16}, torch.bfloat16)
 
@@ -342,7 +342,7 @@ def test_fused_decode_loads_its_first_tile_before_the_wait_bit_for_bit(monkeypat
 def test_fused_decode_caps_registers_at_few_rows(monkeypatch):
     # The cap is a GPU compile option: up to CAP_ROWS rows by default, one value for all rows from the
     # environment, none with 0, and never under the interpreter.
-    fd = fused_decode
+    fd = decode_attention
     monkeypatch.setattr(fd, "interpreting", lambda: False)
     monkeypatch.setattr(fd, "_REGS", "")
     assert fd.maxnreg(1) == fd.maxnreg(fd.CAP_ROWS) == {"maxnreg": fd.CAP_REGS}
@@ -362,7 +362,7 @@ def test_fused_decode_caps_registers_at_few_rows(monkeypatch):
 @pytest.mark.parametrize("contexts", [[70], [1, 70]], ids=["1row", "2rows"])
 def test_fused_decode_capped_registers_bit_for_bit(monkeypatch, regs, contexts):
     # Ouro's heads at 1 and 2 rows with the default config: capped or not, the three launches' bits.
-    monkeypatch.setattr(fused_decode, "_REGS", regs)
+    monkeypatch.setattr(decode_attention, "_REGS", regs)
     case = rope_case(contexts, 16, 16, 16, 128, torch.bfloat16, seed=7 + len(contexts))
     check_fused(case, 16, None, torch.bfloat16)
 
@@ -370,10 +370,10 @@ def test_fused_decode_capped_registers_bit_for_bit(monkeypatch, regs, contexts):
 def test_fused_decode_launches_plainly_without_pdl():
     # Off CUDA (or before Hopper) there is no PDL: never the attribute, whatever the grid.
     if DEV == "cpu":
-        assert not fused_decode.pdl_launch_ok(torch.device("cpu"), 1)
-        assert not fused_decode.early_kv(torch.device("cpu"), 1)
+        assert not decode_attention.pdl_launch_ok(torch.device("cpu"), 1)
+        assert not decode_attention.early_kv(torch.device("cpu"), 1)
     else:
-        assert fused_decode.pdl_launch_ok(torch.device(DEV), 10**6) is (fused_decode._PDL_LAUNCH == "1")
+        assert decode_attention.pdl_launch_ok(torch.device(DEV), 10**6) is (decode_attention._PDL_LAUNCH == "1")
 
 
 def test_fused_decode_rejects_bad_inputs():

@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ouro_fast.kernels import fused_decode
+from ouro_fast.kernels import decode_attention as fused_decode
 from ouro_fast.kernels.launch import interpreting
 
 _STRIDES = ["qn", "qh", "kn", "kh", "vn", "vh", "on", "oh", "kcs", "kch", "vcs", "vch", "t", "bt", "p"]

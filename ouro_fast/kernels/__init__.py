@@ -7,7 +7,7 @@ tensors' contents change. On a machine without CUDA, set TRITON_INTERPRET=1
 before importing triton to run them on the CPU (slowly: tests only).
 """
 
-from .fused_decode import fused_decode_attention
+from .decode_attention import fused_decode_attention
 from .norm import add_rms_norm, rms_norm
 from .prefill_attention import paged_attention
 from .propagate import propagate_kv
