@@ -1,35 +1,26 @@
 """Decode attention of a layer in ONE launch: RoPE, the K/V write, split-KV attention and the merge.
 
-The three-launch path (rope_write_kv, then paged_decode_attention's split and merge
-kernels) pays a launch for each kernel per layer and loop step. Here every program
-of the split-KV grid (rows, KV heads, NUM_SPLITS) rotates its own row's query heads
-and K in registers, exactly as rope_write_kv does; the key and value at the query's
-own position come from those registers, since the cache slot is written in the same
-launch (by the last split's program). The merge is fused as in skinny_gemm's
-FUSED_REDUCE: each program stores its partial softmax, counts its arrival on a
-per-(row, KV head) int32 counter, and the last to arrive merges the partials in
-split order and resets the counter. The arithmetic is the three-launch path's,
-operation for operation, so results and the cache are bit-identical to it (tested
-under the interpreter and on the H200).
+The reference path is three launches (rope_write_kv, then split_kv_attention's split and
+merge kernels), a launch each per layer and loop step. Here every program of the split-KV
+grid (rows, KV heads, NUM_SPLITS) rotates its own row's query heads and K in registers,
+exactly as rope_write_kv does; the key and value at the query's own position come from
+those registers, since the cache slot is written in the same launch (by the last split's
+program). The merge is fused as in skinny_gemm's FUSED_REDUCE: each program stores its
+partial softmax, counts its arrival on a per-(row, KV head) int32 counter, and the last to
+arrive merges the partials in split order and resets the counter. The arithmetic is the
+three launches', operation for operation, so results and the cache are bit-identical to
+them (tested under the interpreter and on the H200).
 
-PDL: the kernel waits and releases its successor as every decode kernel does; it is
-launched with the PDL attribute only while rows x KV heads fit twice the SMs (pdl_launch_ok).
-Launched so, it loads the metadata and each slice's first key/value tile before its wait
-(early_kv), so those reads overlap the qkv matmul: only q, k and v need the wait.
-Launched early behind the Triton skinny qkv matmul, its CTAs went to the SMs the matmul
-freed first (measured on the H200: 256 CTAs on 30 SMs, up to 14 each), which made a
-layer up to twice as slow at one row; launched plainly it starts on an idle GPU. Behind
-the tensor-core qkv (one CTA an SM, room beside it) an early launch measured faster at
-1 row and the same at 8 (loop 0.982 / 1.118 ms against 1.015 / 1.124), slower at 16
-(1.304 against 1.283; seventeenth session); with the early loads, faster at 16 too (1.272
-against 1.306 plain, eighteenth session). Measured per layer in a CUDA graph (qkv, attention, o_proj;
-bf16, 16 heads of 128, 1-16 rows, contexts 192-4096) it then saves -0.9 to +3.3 us
-against the three launches, whose latencies PDL already overlaps; the sure gain is
-one graph node and one host launch in place of three.
+PDL: the kernel waits and releases its successor as every decode kernel does. While rows
+x KV heads fit twice the SMs (pdl_launch_ok) it is launched with the PDL attribute, and then
+loads the metadata and each slice's first key/value tile before its wait (EARLY_KV), so those
+reads overlap the qkv matmul: only q, k and v need the wait. A larger grid launched early
+would crowd onto the SMs the matmul frees first; it launches plainly, on an idle GPU.
+Up to a few rows the registers a thread are capped (maxnreg). Both choices are in tuning.py.
 
-q, k and v may also come as the qkv matmul's fp32 partial products (tc_linear with partial, [S, N, H, D]
-views): each program adds a value's S slots in order and rounds it to the cache dtype, as the matmul
-would have, before the RoPE (the sum leaves the matmul's tail; docs/benchmarks.md, seventeenth session).
+q, k and v may also come as the qkv matmul's fp32 partial products (tc_linear with partial,
+[S, N, H, D] views): each program adds a value's S slots in order and rounds it to the cache
+dtype, as the matmul would have, before the RoPE.
 
 Launch grid and scratch depend only on shapes, so calls are CUDA-graph capturable;
 the counters are allocated on the first eager call (warm-up), never during capture.
@@ -39,13 +30,11 @@ Calls that share the counters must be ordered (one stream).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from . import tc_gemm
 from .launch import (
     ArrivalCounters,
     check_float,
@@ -67,7 +56,7 @@ from .split_kv_attention import (
     store_normalised,
     store_partial,
 )
-from .stamps import stamp
+from .tuning import DECODE_ATTN_MAXNREG, DECODE_ATTN_MAXNREG_ROWS, DECODE_ATTN_PDL_ROW_HEADS_PER_SM
 
 # One counter per (row, KV head); 8192 covers 512 rows of 16 KV heads without growing.
 _MIN_COUNTERS = 8192
@@ -160,7 +149,6 @@ def _fused_decode_kernel(
     m_ptr,
     l_ptr,
     cnt_ptr,
-    ts_ptr,
     num_pos,
     scale_log2,
     stride_qn,
@@ -191,7 +179,6 @@ def _fused_decode_kernel(
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_KV: tl.constexpr,
-    STAMP: tl.constexpr = False,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
@@ -199,9 +186,6 @@ def _fused_decode_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # STAMP (benchmark timelines): this program's row of ts [programs, 8] gets events 0-5 (below).
-    ts_row = ts_ptr + ((row * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split) * 8
-    stamp(ts_row + 0, STAMP)  # start
     # Before the PDL wait (EARLY_KV): the step's metadata and this slice's first key/value tile, off the
     # critical path behind qkv. No kernel of the PDL chain writes them: the host's copies, the lanes'
     # prologue (a plain launch, done before the chain's first kernel starts) and earlier launches did.
@@ -222,9 +206,7 @@ def _fused_decode_kernel(
     if EARLY_KV:
         k0, v0 = load_kv_tile(kc_ptr, vc_ptr, bt_row, kv_head, start, end, stride_kcs, stride_kch, stride_vcs,
                               stride_vch, HEAD_DIM, D_P2, PAGE, BLOCK_N, PRE)  # fmt: skip
-        stamp(ts_row + 1, STAMP)  # the early loads issued
         pdl_enter(USE_PDL)
-    stamp(ts_row + 2, STAMP)  # the PDL wait over
 
     offs_g = tl.arange(0, GROUP_P2)
     g_valid = offs_g < GROUP
@@ -243,7 +225,6 @@ def _fused_decode_kernel(
     m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
                                  stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
                                  HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0)  # fmt: skip
-    stamp(ts_row + 3, STAMP)  # the slice attended (q, k, v and the tiles arrived)
     # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
     # the last split, after its loop, so that under the interpreter (programs run in grid order)
     # every read of the launch precedes the write and the tests prove that none depends on it.
@@ -261,15 +242,13 @@ def _fused_decode_kernel(
         tl.debug_barrier()
         counter = cnt_ptr + row * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        stamp(ts_row + 4, STAMP)  # the partial stored and the arrival counted
         if arrived == NUM_SPLITS - 1:
             _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh, NUM_HEADS,
                          GROUP, HEAD_DIM, D_P2, NUM_SPLITS, INTERPRETED)  # fmt: skip
             # Ready for the next launch: every program of this (row, KV head) has arrived. Relaxed: the
             # launch's end orders it before the next launch's arrivals, and an acq_rel exchange would first
-            # wait for the merged stores above (~0.5 us on the chain, thirtieth session).
-            tl.atomic_xchg(counter, 0, sem=RESET_SEM)
-            stamp(ts_row + 5, STAMP)  # the merger: merged and stored
+            # wait for the merged stores above (~0.5 us on the chain).
+            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 def fused_decode_attention(
@@ -289,7 +268,6 @@ def fused_decode_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
-    stamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rope_write_kv then paged_decode_attention in one launch, bit for bit; returns out [N, Hq, D].
 
@@ -307,9 +285,6 @@ def fused_decode_attention(
     row untouched. With NUM_SPLITS > 1 it uses the same fp32 scratch as
     paged_decode_attention plus per-device arrival counters (allocated on the first
     call of a shape; never during CUDA-graph capture).
-    stamps (benchmark timelines, CUDA only): int64 [rows x KV heads x NUM_SPLITS, 8] that receives each
-    program's global-timer stamps: 0 start, 1 early loads issued, 2 PDL wait over, 3 slice attended, 4 arrival
-    counted, 5 merged (the merger only); bench/gpu/attn_timeline.py reads them.
     """
     parts, stride_p = (q.shape[0], q.stride(0)) if q.dim() == 4 else (0, 0)
     if parts:
@@ -335,7 +310,7 @@ def fused_decode_attention(
     early = pdl_launch_ok(q.device, r * hkv)
     _fused_decode_kernel[(r, hkv, splits)](
         q, k, v, out, k_cache, v_cache, slot_mapping, positions, cos_sin, block_tables,
-        row_q_start, row_len, row_tok_off, acc, m, lsum, counters, counters if stamps is None else stamps,
+        row_q_start, row_len, row_tok_off, acc, m, lsum, counters,
         cos_sin.shape[0], scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
@@ -343,8 +318,7 @@ def fused_decode_attention(
         cos_sin.stride(0), block_tables.stride(0), stride_p,
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
         D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
-        USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv(q.device, r * hkv), **maxnreg(r),
-        STAMP=stamps is not None,
+        USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early, **maxnreg(r),
     )  # fmt: skip
     return out
 
@@ -377,46 +351,18 @@ def _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n: int, hkv:
 
 
 def pdl_launch_ok(device: torch.device, row_heads: int) -> bool:
-    """Launch with the PDL attribute: PDL on, the tensor-core matmuls on, and rows x KV heads at most the
-    SMs, or twice the SMs with the early loads (OURO_FAST_FUSED_DECODE_PDL=0/1 overrides, for A/B runs)."""
-    if not pdl_enabled(device):
-        return False
-    if _PDL_LAUNCH in ("0", "1"):
-        return _PDL_LAUNCH == "1"
-    # With the early loads it pays at 16 rows of 16 KV heads too (1.272 against 1.306 ms plain; without them
-    # a PDL launch there was slower, 1.304 against 1.283): so up to twice the SMs then.
-    return tc_gemm.ENABLED and row_heads <= sm_count(device) * (2 if EARLY_KV else 1)
-
-
-def early_kv(device: torch.device, row_heads: int) -> bool:
-    """Load the metadata and the first key/value tile before the PDL wait: only in an early (PDL) launch,
-    which then reads them while qkv still runs (OURO_FAST_EARLY_KV=0: never, for A/B runs)."""
-    return EARLY_KV and pdl_launch_ok(device, row_heads)
-
-
-_PDL_LAUNCH = os.environ.get("OURO_FAST_FUSED_DECODE_PDL", "")
-# Registers a thread may take at up to CAP_ROWS rows: 128 (10.75 K a CTA uncapped, 168 a thread, 8 K capped;
-# no spills, offline with triton 3.6, where a cap of 144 compiles to 128 too). Any cap from 96 to 144 made the
-# H200 loop faster at 1 and 2 rows (128: 0.8441 / 0.8594 ms against 0.8516 / 0.8714) and slower at 4 and 8
-# (0.9207 / 0.9782 against 0.9106 / 0.9673; twenty-ninth session).
-CAP_REGS, CAP_ROWS = 128, 2
-# OURO_FAST_ATTN_MAXNREG (A/B runs): one cap at every row count; 0: the compiler's choice everywhere.
-_REGS = os.environ.get("OURO_FAST_ATTN_MAXNREG", "")
+    """Launch with the PDL attribute and the early loads (EARLY_KV): PDL on, and rows x KV heads at most
+    tuning.DECODE_ATTN_PDL_ROW_HEADS_PER_SM times the SMs."""
+    return pdl_enabled(device) and row_heads <= sm_count(device) * DECODE_ATTN_PDL_ROW_HEADS_PER_SM
 
 
 def maxnreg(rows: int) -> dict:
-    """The launch's `maxnreg` keyword for a decode of `rows` rows: {} leaves the registers to the compiler
-    (and under the interpreter, which has no registers)."""
-    regs = int(_REGS) if _REGS else (CAP_REGS if rows <= CAP_ROWS else 0)
-    return {"maxnreg": regs} if regs and not interpreting() else {}
+    """The launch's `maxnreg` keyword for a decode of `rows` rows: the cap up to tuning's row count, else {}
+    (the compiler's choice; also under the interpreter, which has no registers)."""
+    if rows > DECODE_ATTN_MAXNREG_ROWS or interpreting():
+        return {}
+    return {"maxnreg": DECODE_ATTN_MAXNREG}
 
-
-# Measured on the H200 (eighteenth session): a loop takes 0.912 / 1.070 ms at 1 / 8 rows with the early loads
-# against 0.975 / 1.134 without; at 16 rows, a plain launch, they were slower (1.336 against 1.306).
-EARLY_KV = os.environ.get("OURO_FAST_EARLY_KV", "1") != "0"
-
-# The counter reset's memory order (OURO_FAST_ATTN_RESET_SEM=acq_rel: the order before the thirtieth session).
-RESET_SEM = tl.constexpr(os.environ.get("OURO_FAST_ATTN_RESET_SEM", "relaxed"))
 
 # Per device: the arrival counters (all zero between launches).
 _COUNTERS = ArrivalCounters("fused_decode_attention", _MIN_COUNTERS)

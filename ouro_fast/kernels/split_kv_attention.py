@@ -7,6 +7,10 @@ sum, unnormalised P @ V) in fp32, and a second small kernel merges the slices.
 NUM_SPLITS and the scratch shapes depend only on the launch's shapes, so the pair of
 launches is CUDA-graph capturable; the slice LENGTH follows each row's context at run
 time (short contexts leave trailing slices empty).
+
+With rope_write_kv before it, this is the reference that the one-launch decode_attention
+is tested against bit for bit (it shares these device functions), and the decode path of
+a backend that does not apply RoPE itself.
 """
 
 from __future__ import annotations
@@ -20,6 +24,15 @@ import triton.language as tl
 from .launch import check_float, check_paged_inputs, interpreting, next_pow2
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
+from .tuning import (
+    INTERPRETER_MAX_SPLITS,
+    SPLIT_KV_BLOCK_N,
+    SPLIT_KV_MAX_SPLITS,
+    SPLIT_KV_MERGE_ONE_WARP,
+    SPLIT_KV_MIN_SPLITS,
+    SPLIT_KV_PROGRAMS,
+    SPLIT_KV_WARPS,
+)
 
 
 @triton.jit
@@ -270,25 +283,21 @@ def _decode_merge_kernel(
 def decode_config(rows: int, kv_heads: int, group: int, head_dim: int, max_context: int) -> dict:
     """NUM_SPLITS, BLOCK_N and num_warps of a launch: a pure function of fixed shapes, never of contexts.
 
-    Splits aim at about 1024 programs from rows x KV heads x splits, clamped to 8..16,
-    and never exceed the BLOCK_N tiles of the longest possible context.
+    Splits aim at about tuning.SPLIT_KV_PROGRAMS programs from rows x KV heads x splits, clamped
+    to tuning's range, and never exceed the BLOCK_N tiles of the longest possible context.
     """
-    # Measured on the H200 (16 heads x 128, contexts 192 and 1024, R 1/8/32): 16-wide tiles on
-    # two warps and 8 to 16 splits were best everywhere (5.2 us at R=1 vs 12.3 for paged_attention).
-    block_n = 16
-    want = next_pow2(triton.cdiv(1024, max(1, rows * kv_heads)))
-    num_splits = max(1, min(max(8, min(16, want)), next_pow2(triton.cdiv(max_context, block_n))))
-    return {"NUM_SPLITS": num_splits, "BLOCK_N": block_n, "num_warps": 2}
-
-
-# Under the CPU interpreter every program runs in Python, and most of 8-16 slices of a test's short
-# context are empty: without a config, 2 splits (the same split-and-merge code) keep the engine-level
-# CPU tests ~2x faster. Kernel tests pass their configs; the GPU always takes decode_config's.
-INTERPRETER_MAX_SPLITS = 2
+    block_n = SPLIT_KV_BLOCK_N
+    want = next_pow2(triton.cdiv(SPLIT_KV_PROGRAMS, max(1, rows * kv_heads)))
+    clamped = max(SPLIT_KV_MIN_SPLITS, min(SPLIT_KV_MAX_SPLITS, want))
+    num_splits = max(1, min(clamped, next_pow2(triton.cdiv(max_context, block_n))))
+    return {"NUM_SPLITS": num_splits, "BLOCK_N": block_n, "num_warps": SPLIT_KV_WARPS}
 
 
 def launch_config(rows: int, kv_heads: int, group: int, head_dim: int, max_context: int, config) -> dict:
-    """decode_config with the keys of `config` (a dict or None) overriding it; NUM_SPLITS checked."""
+    """decode_config with the keys of `config` (a dict or None) overriding it; NUM_SPLITS checked.
+
+    Under the CPU interpreter and without a config, at most tuning.INTERPRETER_MAX_SPLITS splits (kernel
+    tests pass their configs; the GPU always takes decode_config's)."""
     cfg = decode_config(rows, kv_heads, group, head_dim, max_context)
     if interpreting() and not config:
         cfg["NUM_SPLITS"] = min(cfg["NUM_SPLITS"], INTERPRETER_MAX_SPLITS)
@@ -345,10 +354,10 @@ def paged_decode_attention(
     group = hq // hkv
     cfg = launch_config(r, hkv, group, d, block_tables.shape[1] * block_size, config)
     splits = cfg["NUM_SPLITS"]
-    merge_warps = cfg.pop("merge_warps", 1 if splits * next_pow2(d) <= 2048 else 4)
+    merge_warps = cfg.pop("merge_warps", 1 if splits * next_pow2(d) <= SPLIT_KV_MERGE_ONE_WARP else 4)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc, m, lsum = partials_scratch(r, hq, splits, d, q.device)
-    interp, pdl = interpreting(), pdl_launch(q.device, "decode_attention")
+    interp, pdl = interpreting(), pdl_launch(q.device)
     _decode_split_kernel[(r, hkv, splits)](
         q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off, acc, m, lsum,
         scale * math.log2(math.e),
