@@ -143,7 +143,7 @@ def main() -> int:
         for tiles in sys.argv[sys.argv.index("--paged") + 1 :]:
             print(compile_paged_attention(*(int(v) for v in tiles.split(":"))), flush=True)
         return 0
-    from ouro_fast.kernels.tc_gemm import PACE_BESIDE as beside
+    from ouro_fast.kernels.tuning import TC_PACE_BESIDE as beside
 
     shapes = [
         (6144, 2048, False, True, False, beside),

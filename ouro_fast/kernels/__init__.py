@@ -5,6 +5,11 @@ launch grid depends only on tensor shapes and compile-time constants, so a
 CUDA graph captured at fixed padded shapes stays valid when the metadata
 tensors' contents change. On a machine without CUDA, set TRITON_INTERPRET=1
 before importing triton to run them on the CPU (slowly: tests only).
+
+The decode attention is one launch (decode_attention.py); split_kv_attention.py is
+its three-launch reference with rope_kv.py, and prefill_attention.py serves prompt
+chunks. Every launch-tuning default (tiles, splits, warps, register caps, ring,
+pacing) is in tuning.py. This package imports nothing from the rest of ouro_fast.
 """
 
 from .decode_attention import fused_decode_attention

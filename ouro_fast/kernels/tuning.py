@@ -1,7 +1,8 @@
 """Every launch-tuning default of the kernels, with what it was chosen for.
 
-Each value changes speed only, never results: the kernels' bits do not depend on tile sizes,
-warps, register caps, ring depth or pacing (their tests check this where a choice could matter).
+Each value is chosen for speed; any value the kernels accept gives correct results. Register
+caps, ring depth and pacing leave the bits as they are (tests check this on the GPU); a split
+count or a tile length along a sum reorders that fp32 sum, so it may change the last bits.
 Timings are of the Ouro-1.4B decode loop (bf16, CUDA graph) on one H200 unless said otherwise;
 "1 / 8 rows" are two batch sizes of the same run.
 """
