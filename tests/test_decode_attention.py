@@ -12,14 +12,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: pip install 'triton>=3.0')")
 
 from ouro_fast.kernels import (  # noqa: E402
-    fused_decode,
+    decode_attention,
     fused_decode_attention,
     paged_attention,
     paged_decode_attention,
     rope_cos_sin_table,
     rope_write_kv,
 )
-from ouro_fast.kernels.decode_attention import decode_config  # noqa: E402
+from ouro_fast.kernels.split_kv_attention import decode_config  # noqa: E402
+from ouro_fast.kernels.tuning import DECODE_ATTN_MAXNREG, DECODE_ATTN_MAXNREG_ROWS  # noqa: E402
 from ouro_fast.model import triton_attention  # noqa: E402
 from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention  # noqa: E402
 
@@ -292,7 +293,7 @@ def test_fused_decode_resets_its_counters():
     for seed in (1, 2):
         case = rope_case(CONTEXTS, 4, 4, 2, 16, torch.float32, seed=seed, no_write=(3,))
         check_fused(case, 4, {"NUM_SPLITS": 8, "BLOCK_N": 8}, torch.float32)
-        counters = fused_decode._COUNTERS[case["q"].device]
+        counters = decode_attention._COUNTERS[case["q"].device]
         assert len(counters) == 1 and not counters[0].any()
 
 
@@ -334,46 +335,43 @@ def test_fused_decode_loads_its_first_tile_before_the_wait_bit_for_bit(monkeypat
     # An early launch loads the metadata and each slice's first K/V tile before its PDL wait (forced here,
     # also where no PDL runs): the same bits as the three launches. Contexts up to 100 at 16-wide tiles
     # also run the tiles after the first.
-    monkeypatch.setattr(fused_decode, "early_kv", lambda device, row_heads: early)
+    monkeypatch.setattr(decode_attention, "pdl_launch_ok", lambda device, row_heads: early)
     case = rope_case(CONTEXTS, 4, 4, 2, 32, torch.bfloat16, seed=41 + splits, no_write=(1,))
     check_fused(case, 4, {"NUM_SPLITS": splits, "BLOCK_N": 16}, torch.bfloat16)
 
 
 def test_fused_decode_caps_registers_at_few_rows(monkeypatch):
-    # The cap is a GPU compile option: up to CAP_ROWS rows by default, one value for all rows from the
-    # environment, none with 0, and never under the interpreter.
-    fd = fused_decode
+    # The cap is a GPU compile option: up to tuning's row count, never above it nor under the interpreter.
+    fd = decode_attention
     monkeypatch.setattr(fd, "interpreting", lambda: False)
-    monkeypatch.setattr(fd, "_REGS", "")
-    assert fd.maxnreg(1) == fd.maxnreg(fd.CAP_ROWS) == {"maxnreg": fd.CAP_REGS}
-    assert fd.maxnreg(fd.CAP_ROWS + 1) == fd.maxnreg(16) == {}
-    monkeypatch.setattr(fd, "_REGS", "96")
-    assert fd.maxnreg(1) == fd.maxnreg(16) == {"maxnreg": 96}
-    monkeypatch.setattr(fd, "_REGS", "0")
-    assert fd.maxnreg(1) == {}
-    monkeypatch.setattr(fd, "_REGS", "")
+    cap = {"maxnreg": DECODE_ATTN_MAXNREG}
+    assert fd.maxnreg(1) == fd.maxnreg(DECODE_ATTN_MAXNREG_ROWS) == cap
+    assert fd.maxnreg(DECODE_ATTN_MAXNREG_ROWS + 1) == fd.maxnreg(16) == {}
     monkeypatch.setattr(fd, "interpreting", lambda: True)
     assert fd.maxnreg(1) == {}
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="a register cap is a GPU compile option")
 @pytest.mark.usefixtures("nan_scratch")
-@pytest.mark.parametrize("regs", ["", "0", "96"], ids=["default", "uncapped", "cap96"])
+@pytest.mark.parametrize("regs", [None, 0, 96], ids=["default", "uncapped", "cap96"])
 @pytest.mark.parametrize("contexts", [[70], [1, 70]], ids=["1row", "2rows"])
 def test_fused_decode_capped_registers_bit_for_bit(monkeypatch, regs, contexts):
     # Ouro's heads at 1 and 2 rows with the default config: capped or not, the three launches' bits.
-    monkeypatch.setattr(fused_decode, "_REGS", regs)
+    if regs is not None:
+        monkeypatch.setattr(decode_attention, "maxnreg", lambda rows: {"maxnreg": regs} if regs else {})
     case = rope_case(contexts, 16, 16, 16, 128, torch.bfloat16, seed=7 + len(contexts))
     check_fused(case, 16, None, torch.bfloat16)
 
 
-def test_fused_decode_launches_plainly_without_pdl():
-    # Off CUDA (or before Hopper) there is no PDL: never the attribute, whatever the grid.
+def test_fused_decode_launches_early_only_with_pdl_and_a_small_grid():
+    # Off CUDA (or before Hopper) there is no PDL: never the attribute, whatever the grid. With PDL, the
+    # attribute (and the early loads) only while rows x KV heads fit twice the SMs.
     if DEV == "cpu":
-        assert not fused_decode.pdl_launch_ok(torch.device("cpu"), 1)
-        assert not fused_decode.early_kv(torch.device("cpu"), 1)
+        assert not decode_attention.pdl_launch_ok(torch.device("cpu"), 1)
     else:
-        assert fused_decode.pdl_launch_ok(torch.device(DEV), 10**6) is (fused_decode._PDL_LAUNCH == "1")
+        dev = torch.device(DEV)
+        assert decode_attention.pdl_launch_ok(dev, 1) == decode_attention.pdl_enabled(dev)
+        assert not decode_attention.pdl_launch_ok(dev, 10**6)
 
 
 def test_fused_decode_rejects_bad_inputs():
@@ -401,7 +399,7 @@ def test_backend_takes_partial_products_only_in_fused_decode_calls():
     meta = [case[key] for key in ("block_tables", "row_q_start", "row_len", "row_tok_off")]
     attn = rope_backend(case, bs)
     attn.batch = TritonBatch(case["slot_mapping"], case["positions"], *meta, max_q_len=1)
-    assert attn.takes_partials() is triton_attention.FUSED_DECODE
+    assert attn.takes_partials()
     attn.batch = TritonBatch(case["slot_mapping"], case["positions"], *meta, max_q_len=2)
     assert not attn.takes_partials()
     slots = [case[key][None].repeat(2, 1, 1, 1) for key in ("q", "k", "v")]
@@ -446,24 +444,3 @@ def test_backend_keeps_prefill_calls_on_the_three_kernel_path(monkeypatch):
     rows = meta["row_tok_off"][meta["row_len"] > 0].long()
     torch.testing.assert_close(got[rows], expect[rows], **TOL[torch.float32])
     assert_same_bits(attn.kv_cache[0, 1], kc_ref)
-
-
-@pytest.mark.skipif(DEV == "cpu", reason="the global timer is a GPU register")
-@pytest.mark.usefixtures("nan_scratch")
-def test_fused_decode_stamps_change_no_bit_and_are_ordered():
-    case = rope_case([1, 70, 0], 16, 16, 16, 128, torch.bfloat16, seed=5)
-    cfg = {"NUM_SPLITS": 16, "BLOCK_N": 16}
-    plain, _, _ = fused(case, 16, cfg)
-    stamps = torch.zeros(3 * 16 * 16, 8, dtype=torch.int64, device=DEV)
-    inputs = {**case, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}
-    got = fused_decode_attention(**inputs, block_size=16, config=cfg, stamps=stamps)
-    rows = case["row_len"] > 0
-    assert_same_bits(got[case["row_tok_off"][rows].long()], plain[case["row_tok_off"][rows].long()])
-    ts = stamps.view(3, 16, 16, 8)
-    ran = ts[:2]  # the padding row (2) stamps its start only
-    assert bool((ran[..., 0] > 0).all()) and bool((ts[2, ..., 2] == 0).all())
-    assert bool((ran[..., 2] >= ran[..., 0]).all() and (ran[..., 3] >= ran[..., 2]).all())
-    assert bool((ran[..., 4] >= ran[..., 3]).all())
-    merged = ran[..., 5] > 0
-    assert merged.sum(-1).eq(1).all()  # one merger per (row, head)
-    assert bool((ran[..., 5][merged] >= ran[..., 4][merged]).all())

@@ -23,7 +23,7 @@ from ouro_fast.kernels import (  # noqa: E402
     rope_write_kv,
     silu_and_mul,
 )
-from ouro_fast.kernels.attention import attention_config  # noqa: E402
+from ouro_fast.kernels.prefill_attention import attention_config  # noqa: E402
 from ouro_fast.model import ouro  # noqa: E402
 from ouro_fast.model.attention import PagedBatch, PagedTorchAttention, causal_attend  # noqa: E402
 from ouro_fast.model.config import OuroConfig  # noqa: E402
@@ -173,6 +173,15 @@ def test_attention_config_depends_only_on_bounds():
 # ---- RoPE + K/V write ----
 
 
+@pytest.mark.parametrize("d, theta, positions", [(16, 500.0, 64), (64, 10000.0, 4096), (128, 1e6, 65536)])
+def test_rope_table_is_the_models_cos_sin_bit_for_bit(d, theta, positions):
+    # kernels/ computes its own table (it imports nothing from model/): the same bits as rope_cos_sin's.
+    table = rope_cos_sin_table(positions, d, theta, DEV)
+    cos, sin = rope_cos_sin(torch.arange(positions, device=DEV), d, theta)
+    assert table.dtype == torch.float32 and table.shape == (positions, d) and table.is_contiguous()
+    assert torch.equal(table, torch.cat((cos[:, : d // 2], sin[:, : d // 2]), dim=1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq, hkv, d", [(4, 2, 16), (3, 3, 32), (8, 1, 64)])
 def test_rope_write_kv_matches_reference(dtype, hq, hkv, d):
@@ -271,8 +280,6 @@ def test_add_rms_norm_matches_the_model_rounding(dtype, n, h):
 def test_norm_warps_grow_with_the_row_up_to_16():
     from ouro_fast.kernels import norm  # noqa: PLC0415
 
-    if norm._WARPS:
-        pytest.skip("OURO_FAST_NORM_WARPS is set")
     assert [norm._warps(h) for h in (64, 512, 1024, 2048, 4096)] == [4, 4, 8, 16, 16]
 
 

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, as every kernel test file does
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from ouro_fast.kernels.precompile import compile_threads, precompile  # noqa: E402
+from ouro_fast.kernels.precompile import default_compile_threads, precompile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SNIPPET = """
@@ -92,10 +92,8 @@ def test_off_under_the_interpreter_and_with_one_thread(monkeypatch):
     assert called == []  # the walk is skipped: the launches after it compile as before
 
 
-def test_compile_threads():
-    assert compile_threads({"OURO_FAST_COMPILE_THREADS": "3"}) == 3
-    assert compile_threads({"OURO_FAST_COMPILE_THREADS": "0"}) == 1
-    assert 1 <= compile_threads({}) <= 16
+def test_default_compile_threads_are_the_cpus_up_to_16():
+    assert default_compile_threads() == min(os.cpu_count() or 1, 16)
 
 
 def _generate(engine, prompts, params):
@@ -136,5 +134,5 @@ def test_start_up_walk_compiles_everything_the_capture_launches(model_dir, monke
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 30))]
     got = _generate(engine, prompts, params)
     del engine
-    monkeypatch.setenv("OURO_FAST_COMPILE_THREADS", "1")  # no walk: each variant compiles at its first launch
-    assert _generate(Engine(EngineConfig(**opts)), prompts, params) == got
+    serial = EngineConfig(**opts, compile_threads=1)  # no walk: each variant compiles at its first launch
+    assert _generate(Engine(serial), prompts, params) == got

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: pip install 'triton>=3.0')")
 
-from ouro_fast.kernels import pdl, silu_and_mul, skinny_gemm  # noqa: E402
+from ouro_fast.kernels import silu_and_mul, skinny_gemm, tuning  # noqa: E402
 from ouro_fast.kernels.pdl import pdl_enabled, pdl_launch  # noqa: E402
 from ouro_fast.kernels.skinny_gemm import (  # noqa: E402
     SKINNY_MAX_M,
@@ -170,7 +170,7 @@ def test_silu_mul_default_config_fallback_and_shape_errors():
         skinny_linear(gu[:, :K], w, silu_mul=True)
 
 
-def test_pdl_is_off_where_unsupported(monkeypatch):
+def test_pdl_is_off_where_unsupported():
     cpu = torch.device("cpu")
     assert not pdl_enabled(cpu) and pdl_launch(cpu) == {"USE_PDL": False}
     if torch.cuda.is_available():
@@ -178,30 +178,6 @@ def test_pdl_is_off_where_unsupported(monkeypatch):
         hopper = torch.cuda.get_device_capability()[0] >= 9
         assert pdl_enabled(dev) == hopper
         assert pdl_launch(dev) == ({"USE_PDL": True, "launch_pdl": True} if hopper else {"USE_PDL": False})
-        monkeypatch.setenv("OURO_FAST_PDL", "0")
-        assert not pdl_enabled(dev) and pdl_launch(dev) == {"USE_PDL": False}
-
-
-def test_early_release_follows_the_tensor_core_matmuls_unless_set():
-    assert pdl.early_release({})  # the default: tc_gemm on, so early release on
-    assert not pdl.early_release({"OURO_FAST_TC_GEMM": "0"})
-    assert pdl.early_release({"OURO_FAST_TC_GEMM": "0", "OURO_FAST_PDL_EARLY": "1"})
-    assert not pdl.early_release({"OURO_FAST_PDL_EARLY": "0"})
-
-
-def test_kernels_named_plain_launch_without_the_attribute(monkeypatch):
-    # OURO_FAST_PDL_PLAIN: those kernels still wait and release (USE_PDL) but launch plainly.
-    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
-    monkeypatch.setattr(pdl, "_PLAIN", frozenset({"skinny", "norm"}))
-    dev = torch.device("cpu")
-    assert pdl.pdl_launch(dev, "skinny") == {"USE_PDL": True, "launch_pdl": False}
-    assert pdl.pdl_launch(dev, "norm") == {"USE_PDL": True, "launch_pdl": False}
-    assert pdl.pdl_launch(dev, "rope_kv") == {"USE_PDL": True, "launch_pdl": True}
-    assert pdl.pdl_launch(dev) == {"USE_PDL": True, "launch_pdl": True}
-    # Unset or empty, no kernel is plain (a kernel passing no name included).
-    assert pdl.plain_kernels("") == frozenset() and pdl.plain_kernels(" skinny, norm,") == {"skinny", "norm"}
-    monkeypatch.setattr(pdl, "_PLAIN", pdl.plain_kernels(""))
-    assert pdl.pdl_launch(dev) == pdl.pdl_launch(dev, "skinny") == {"USE_PDL": True, "launch_pdl": True}
 
 
 @pytest.mark.parametrize("n, k", [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (50, 100)])
@@ -220,7 +196,7 @@ def test_default_and_candidate_configs(n, k):
 def test_tuned_configs_are_keyed_by_power_of_two_rows(monkeypatch):
     tuned = cfg(32, 64, 2)
     keys = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "USE_DOT", "FUSED_REDUCE", "num_warps", "num_stages")
-    monkeypatch.setitem(skinny_gemm.TUNED_CONFIGS, (N, K, 8), tuple(tuned[k] for k in keys))
+    monkeypatch.setitem(tuning.SKINNY_CONFIGS, (N, K, 8), tuple(tuned[k] for k in keys))
     assert skinny_config(N, K, 5) == tuned and skinny_config(N, K, 8) == tuned
     assert skinny_config(N, K, 9) == default_config(N, K, 9)
     x, w = randn(7, K, seed=15), randn(N, K, seed=16)

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
 from ouro_fast.kernels import tc_gemm  # noqa: E402
+from ouro_fast.kernels.tuning import TC_PACE_BESIDE, TC_SMEM_BUDGET, TC_WHOLE_GROUP_SMEM  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU")
@@ -55,13 +56,11 @@ def test_slots_for_is_the_most_ctas_sharing_a_group(n, k, ctas):
 def test_launch_plan_gives_gate_up_a_cta_per_row_group():
     # gate_up's 176 row groups on 132 SMs: one CTA each, two an SM with half the shared memory, so that no
     # group is split between CTAs; partial outputs and shapes with fewer groups than SMs keep the ranges.
-    if not tc_gemm.WHOLE:
-        pytest.skip("OURO_FAST_TC_WHOLE=0 in the environment")
     ctas, budget = tc_gemm.launch_plan(11264, 2048, 256, 132, 1, partial=False)
-    assert (ctas, budget) == (176, tc_gemm.WHOLE_SMEM) and 2 * (budget + 1024) <= 228 * 1024
+    assert (ctas, budget) == (176, TC_WHOLE_GROUP_SMEM) and 2 * (budget + 1024) <= 228 * 1024
     assert tc_gemm.ring_slots(256, 8, False, 4, budget) == 3
-    assert tc_gemm.launch_plan(11264, 2048, 256, 132, 1, partial=True) == (132, tc_gemm.SMEM_BUDGET)
-    assert tc_gemm.launch_plan(6144, 2048, 256, 132, 1, partial=False) == (132, tc_gemm.SMEM_BUDGET)
+    assert tc_gemm.launch_plan(11264, 2048, 256, 132, 1, partial=True) == (132, TC_SMEM_BUDGET)
+    assert tc_gemm.launch_plan(6144, 2048, 256, 132, 1, partial=False) == (132, TC_SMEM_BUDGET)
     assert tc_gemm.launch_plan(11264, 2048, 256, 64, 1, partial=False)[0] == 64  # over twice the SMs
 
 
@@ -74,26 +73,14 @@ def test_ring_fits_the_budget_and_keeps_two_slots():
     assert tc_gemm.ring_slots(256, 16, True, most=4, budget=10_000) == 2
 
 
-def test_ring_never_has_more_slots_than_a_cta_has_tiles(monkeypatch):
+def test_ring_never_has_more_slots_than_a_cta_has_tiles():
     # o_proj's 256 tiles on 132 CTAs: 2 a CTA at most, so 2 slots (freeing the SM for gate_up's CTAs);
     # qkv (768 tiles) and down (704) keep the budget's 4; gate_up's whole groups (8 tiles) keep 3.
-    monkeypatch.setattr(tc_gemm, "RING", {})
     assert tc_gemm.slots_used(2048, 2048, 256, 132, 4) == 2
     assert tc_gemm.slots_used(6144, 2048, 256, 132, 4) == 4
     assert tc_gemm.slots_used(2048, 5632, 256, 132, 4) == 4
     assert tc_gemm.slots_used(11264, 2048, 256, 176, 3) == 3
     assert tc_gemm.slots_used(64, 256, 256, 132, 4) == 1  # one tile in all
-    # OURO_FAST_TC_RING's entry for a shape wins, for A/B runs.
-    monkeypatch.setattr(tc_gemm, "RING", {(2048, 2048): 4})
-    assert tc_gemm.slots_used(2048, 2048, 256, 132, 4) == 4
-
-
-def test_per_shape_switches_parse_shapes_and_values(monkeypatch):
-    # OURO_FAST_TC_RING / _PACE: "NxK=value,..." per weight shape; unset is empty.
-    monkeypatch.setenv("OURO_FAST_TC_RING", "11264x2048=1,2048x5632=3")
-    assert tc_gemm._per_shape("OURO_FAST_TC_RING") == {(11264, 2048): 1, (2048, 5632): 3}
-    monkeypatch.delenv("OURO_FAST_TC_PACE", raising=False)
-    assert tc_gemm._per_shape("OURO_FAST_TC_PACE") == {}
 
 
 def test_decode_mlp_paces_gate_up_but_not_down(monkeypatch):
@@ -104,7 +91,7 @@ def test_decode_mlp_paces_gate_up_but_not_down(monkeypatch):
 
     calls = []
 
-    def fake(x, w, silu_mul=False, partial=False, stamps=None, swiglu_out=False, pace=0):
+    def fake(x, w, silu_mul=False, partial=False, swiglu_out=False, pace=0):
         calls.append((tuple(w.shape), swiglu_out, partial, pace))
         return torch.zeros(x.shape[0], w.shape[0] // 2 if swiglu_out else w.shape[0])
 
@@ -113,8 +100,8 @@ def test_decode_mlp_paces_gate_up_but_not_down(monkeypatch):
     down = SimpleNamespace(weight=torch.zeros(32, 64))
     mlp = SimpleNamespace(gate_up_weight=torch.zeros(128, 32), down_proj=down)
     triton_loop.mlp_partial(torch.zeros(2, 32), mlp)
-    assert calls == [((128, 32), True, False, tc_gemm.PACE_BESIDE), ((32, 64), False, True, 0)]
-    assert tc_gemm.PACE_BESIDE in (1, 2, 3, 4)  # the kernel's pause takes 1-4 (x 500 ns)
+    assert calls == [((128, 32), True, False, TC_PACE_BESIDE), ((32, 64), False, True, 0)]
+    assert TC_PACE_BESIDE in (1, 2, 3, 4)  # the kernel's pause takes 1-4 (x 500 ns)
     triton_loop.linear(torch.zeros(2, 32), torch.zeros(16, 32), pace=2)
     assert calls[-1] == ((16, 32), False, False, 2)
 
@@ -122,9 +109,9 @@ def test_decode_mlp_paces_gate_up_but_not_down(monkeypatch):
 def test_swiglu_epilogue_buffer_is_counted_and_two_gate_up_ctas_still_fit_a_sm():
     # gate_up with swiglu_out keeps its 176 CTAs two a SM: the group's [64, NTOK] buffer fits the budget.
     for ntok in (8, 16):
-        nbuf = tc_gemm.ring_slots(256, ntok, False, 4, tc_gemm.WHOLE_SMEM, swiglu=True)
+        nbuf = tc_gemm.ring_slots(256, ntok, False, 4, TC_WHOLE_GROUP_SMEM, swiglu=True)
         used = nbuf * (64 * 256 + ntok * 256) * 2 + 64 * ntok * 2 + 1024
-        assert nbuf >= 2 and used <= tc_gemm.WHOLE_SMEM
+        assert nbuf >= 2 and used <= TC_WHOLE_GROUP_SMEM
     for budget in range(60 * 1024, 200 * 1024, 4096):  # the buffer comes out of the ring's share
         with_buf = tc_gemm.ring_slots(256, 8, False, 8, budget, swiglu=True)
         assert with_buf <= tc_gemm.ring_slots(256, 8, False, 8, budget)
@@ -162,12 +149,10 @@ def test_swiglu_out_is_silu_and_mul_of_the_product_bit_for_bit(n, k, m):
 
 
 @needs_hopper
-@pytest.mark.parametrize("until_go", [False, True])
 @pytest.mark.parametrize("pace", [1, 2, 3, 4])
-def test_paced_loads_change_no_bit(pace, until_go, monkeypatch):
-    # pace only delays the loader's first tiles (with until_go, only while the PDL wait lasts): plain,
-    # partial and SwiGLU outputs are the unpaced ones.
-    monkeypatch.setattr(tc_gemm, "PACE_UNTIL_GO", until_go)
+def test_paced_loads_change_no_bit(pace):
+    # pace only delays the loader's first tiles while the PDL wait lasts: plain, partial and SwiGLU outputs
+    # are the unpaced ones.
     gen = torch.Generator(device="cuda").manual_seed(pace)
     x = torch.randn(8, 2048, device="cuda", generator=gen).to(torch.bfloat16)
     for n in (6144, 2048, 11264):
@@ -180,7 +165,8 @@ def test_paced_loads_change_no_bit(pace, until_go, monkeypatch):
 
 
 @needs_hopper
-def test_mlp_partial_is_the_silu_mul_path_bit_for_bit(monkeypatch):
+def test_mlp_partial_is_the_silu_mul_path_bit_for_bit():
+    # gate_up's SwiGLU epilogue against gate_up's plain product fed to down's SiLU prologue.
     from types import SimpleNamespace
 
     from ouro_fast.model import triton_loop
@@ -191,9 +177,8 @@ def test_mlp_partial_is_the_silu_mul_path_bit_for_bit(monkeypatch):
     for m in (1, 8):
         x = torch.randn(m, 2048, device="cuda", generator=gen).to(torch.bfloat16)
         fused = triton_loop.mlp_partial(x, mlp)
-        monkeypatch.setattr(tc_gemm, "SWIGLU_OUT", False)
-        plain = triton_loop.mlp_partial(x, mlp)
-        monkeypatch.setattr(tc_gemm, "SWIGLU_OUT", True)
+        gate_up = triton_loop.linear(x, mlp.gate_up_weight)
+        plain = triton_loop.linear(gate_up, mlp.down_proj.weight, silu_mul=True, partial=True)
         assert torch.equal(fused.sum(0), plain.sum(0)) and fused.shape[1:] == plain.shape[1:]
 
 

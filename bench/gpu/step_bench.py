@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ouro_fast.kernels import decode_attention
+from ouro_fast.kernels import split_kv_attention as decode_attention
 from ouro_fast.model.checkpoints import PRESETS
 from ouro_fast.model.triton_loop import run_loop_fused
 from ouro_fast.model.ouro import OuroForCausalLM

@@ -5,14 +5,19 @@ launch grid depends only on tensor shapes and compile-time constants, so a
 CUDA graph captured at fixed padded shapes stays valid when the metadata
 tensors' contents change. On a machine without CUDA, set TRITON_INTERPRET=1
 before importing triton to run them on the CPU (slowly: tests only).
+
+The decode attention is one launch (decode_attention.py); split_kv_attention.py is
+its three-launch reference with rope_kv.py, and prefill_attention.py serves prompt
+chunks. Every launch-tuning default (tiles, splits, warps, register caps, ring,
+pacing) is in tuning.py. This package imports nothing from the rest of ouro_fast.
 """
 
-from .attention import paged_attention
-from .decode_attention import paged_decode_attention
-from .fused_decode import fused_decode_attention
+from .decode_attention import fused_decode_attention
 from .norm import add_rms_norm, rms_norm
+from .prefill_attention import paged_attention
 from .propagate import propagate_kv
 from .rope_kv import rope_cos_sin_table, rope_write_kv
+from .split_kv_attention import paged_decode_attention
 from .swiglu import silu_and_mul
 
 __all__ = [

@@ -1,12 +1,30 @@
-"""Split-KV ("flash-decoding") paged attention for rows of one query token each.
+"""Decode attention of a layer in ONE launch: RoPE, the K/V write, split-KV attention and the merge.
 
-A decode launch has few rows, so one program per (row, KV head) leaves most SMs idle
-while each walks the whole context. Here the context of every row is cut into
-NUM_SPLITS contiguous slices, one program each; each writes a partial softmax (max,
-sum, unnormalised P @ V) in fp32, and a second small kernel merges the slices.
-NUM_SPLITS and the scratch shapes depend only on the launch's shapes, so the pair of
-launches is CUDA-graph capturable; the slice LENGTH follows each row's context at run
-time (short contexts leave trailing slices empty).
+The reference path is three launches (rope_write_kv, then split_kv_attention's split and
+merge kernels), a launch each per layer and loop step. Here every program of the split-KV
+grid (rows, KV heads, NUM_SPLITS) rotates its own row's query heads and K in registers,
+exactly as rope_write_kv does; the key and value at the query's own position come from
+those registers, since the cache slot is written in the same launch (by the last split's
+program). The merge is fused as in skinny_gemm's FUSED_REDUCE: each program stores its
+partial softmax, counts its arrival on a per-(row, KV head) int32 counter, and the last to
+arrive merges the partials in split order and resets the counter. The arithmetic is the
+three launches', operation for operation, so results and the cache are bit-identical to
+them (tested under the interpreter and on the H200).
+
+PDL: the kernel waits and releases its successor as every decode kernel does. While rows
+x KV heads fit twice the SMs (pdl_launch_ok) it is launched with the PDL attribute, and then
+loads the metadata and each slice's first key/value tile before its wait (EARLY_KV), so those
+reads overlap the qkv matmul: only q, k and v need the wait. A larger grid launched early
+would crowd onto the SMs the matmul frees first; it launches plainly, on an idle GPU.
+Up to a few rows the registers a thread are capped (maxnreg). Both choices are in tuning.py.
+
+q, k and v may also come as the qkv matmul's fp32 partial products (tc_linear with partial,
+[S, N, H, D] views): each program adds a value's S slots in order and rounds it to the cache
+dtype, as the matmul would have, before the RoPE.
+
+Launch grid and scratch depend only on shapes, so calls are CUDA-graph capturable;
+the counters are allocated on the first eager call (warm-up), never during capture.
+Calls that share the counters must be ordered (one stream).
 """
 
 from __future__ import annotations
@@ -17,156 +35,112 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, check_paged_inputs, interpreting, next_pow2
-from .pdl import pdl_enter, pdl_launch
+from .launch import (
+    ArrivalCounters,
+    check_float,
+    check_paged_inputs,
+    check_same_dtype,
+    interpreting,
+    next_pow2,
+    sm_count,
+)
+from .pdl import pdl_enabled, pdl_enter
 from .rounding import round_to
+from .split_kv_attention import (
+    attend_slice,
+    launch_config,
+    load_kv_tile,
+    merge_partials,
+    partials_scratch,
+    slice_bounds,
+    store_normalised,
+    store_partial,
+)
+from .tuning import DECODE_ATTN_MAXNREG, DECODE_ATTN_MAXNREG_ROWS, DECODE_ATTN_PDL_ROW_HEADS_PER_SM
+
+# One counter per (row, KV head); 8192 covers 512 rows of 16 KV heads without growing.
+_MIN_COUNTERS = 8192
 
 
 @triton.jit
-def slice_bounds(q_pos, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Context positions [start, end) of slice `split` for a query at q_pos (empty when start >= end)."""
-    kv_len = q_pos + 1
-    # Slices of whole BLOCK_N tiles: only the last tile of a row is partly masked.
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    return start, tl.minimum(start + split_len, kv_len)
-
-
-@triton.jit
-def load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs, stride_vh,
-                 HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CACHE: tl.constexpr):  # fmt: skip
-    """Keys and values [BLOCK_N, D_P2] (cache dtype) of positions [n0, n0 + BLOCK_N) below end (zeros beyond),
-    through the row's block table; CACHE is the loads' cache modifier ("" or ".cg")."""
+def _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+             D_P2: tl.constexpr, CACHE: tl.constexpr = ""):  # fmt: skip
+    # cos and sin of each lane's split-half pair (d mod HALF), [D_P2]; rope_write_kv's clamped lookup.
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + tok, cache_modifier=CACHE), 0), num_pos - 1).to(tl.int64)
     offs_d = tl.arange(0, D_P2)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < end
-    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_valid, other=0, cache_modifier=CACHE)
-    slot = block.to(tl.int64) * PAGE + offs_n % PAGE
-    kv_mask = n_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k_ptrs = k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-    v_ptrs = v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0, cache_modifier=CACHE)
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0, cache_modifier=CACHE)
-    return k, v
+    pair = offs_d % HALF
+    d_valid = offs_d < HEAD_DIM
+    cos = tl.load(table_ptr + pos * stride_t + pair, mask=d_valid, other=0.0, cache_modifier=CACHE)
+    sin = tl.load(table_ptr + pos * stride_t + HALF + pair, mask=d_valid, other=0.0, cache_modifier=CACHE)
+    return cos, sin
 
 
 @triton.jit
-def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new, BLOCK_N: tl.constexpr,
-                SUBSTITUTE: tl.constexpr):  # fmt: skip
-    """One online-softmax update of (m_i, l_i, acc) by the tile of positions [n0, n0 + BLOCK_N) below end.
-    A tile wholly at or beyond end changes nothing (its scores are -inf: alpha 1, p 0)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < end
-    if SUBSTITUTE:  # noqa: SIM102 (without it, new_pos is None: the inner test must not be built)
-        # A uniform branch: only the one tile that holds new_pos pays for the selects.
-        if (new_pos >= n0) & (new_pos < n0 + BLOCK_N):
-            is_new = (offs_n == new_pos)[:, None]
-            k = tl.where(is_new, k_new, k)
-            v = tl.where(is_new, v_new, v)
-    # The query sees every key up to its own position: only the slice end masks.
-    s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale_log2
-    s = tl.where(n_valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    return m_new, l_i, acc
+def _value(ptrs, mask, stride_p, PARTS: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    # A projection's values in fp32: loaded, or (PARTS > 0) its PARTS fp32 partial products added in slot
+    # order and rounded to DTYPE, as the matmul rounds its output.
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if PARTS > 0:
+        for p in tl.static_range(1, PARTS):
+            x += tl.load(ptrs + p * stride_p, mask=mask, other=0.0)
+        x = round_to(x, DTYPE, INTERPRETED).to(tl.float32)
+    return x
 
 
 @triton.jit
-def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, stride_ks, stride_kh,
-                 stride_vs, stride_vh, new_pos, k_new, v_new, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SUBSTITUTE: tl.constexpr, k0=None, v0=None):  # fmt: skip
-    """Online softmax of q [GROUP_P2, D_P2] (fp32) over positions [start, end); returns (m, l, acc).
-
-    With SUBSTITUTE, the key and value at position new_pos are k_new, v_new [1, D_P2] (cache
-    dtype) instead of the cache's: the fused decode writes that slot in the same launch.
-    k0, v0: the first tile (positions [start, start + BLOCK_N)) already loaded by load_kv_tile, e.g. before
-    a PDL wait; the same updates in the same order as loading it here.
-    """
-    # Finite stand-in for -inf: an empty slice keeps it, and the merge weighs it exp2(-1e30 - m) = 0.
-    m_i = tl.full([GROUP_P2], -1.0e30, tl.float32)
-    l_i = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, D_P2], tl.float32)
-    first = start
-    if k0 is not None:
-        m_i, l_i, acc = attend_tile(q, k0, v0, start, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
-                                    BLOCK_N, SUBSTITUTE)  # fmt: skip
-        first = start + BLOCK_N
-    # An empty slice (start >= kv_len) runs no iteration and leaves m = -1e30, l = 0.
-    for n0 in range(first, end, BLOCK_N):
-        k, v = load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs,
-                            stride_vh, HEAD_DIM, D_P2, PAGE, BLOCK_N, "")  # fmt: skip
-        m_i, l_i, acc = attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
-                                    BLOCK_N, SUBSTITUTE)  # fmt: skip
-    return m_i, l_i, acc
-
-
-@triton.jit
-def store_normalised(o_ptr, tok, head, g_valid, stride_on, stride_oh, acc, l_i, HEAD_DIM: tl.constexpr,
-                     D_P2: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    """One slice is the whole context: normalise and write the output rows of `head`."""
+def _rotated(x_row_ptr, heads, h_valid, stride_h, stride_p, cos, sin, HALF: tl.constexpr,
+             HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, DTYPE: tl.constexpr, PARTS: tl.constexpr,
+             INTERPRETED: tl.constexpr):  # fmt: skip
+    # Heads [H] of one token rotated, [H, D_P2] in DTYPE: every lane computes its pair with
+    # rope_write_kv's expressions (x1*cos - x2*sin, x2*cos + x1*sin in fp32) and keeps its half.
     offs_d = tl.arange(0, D_P2)
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        o_ptr + tok * stride_on + head[:, None] * stride_oh + offs_d[None, :],
-        round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
-        mask=g_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
-    )
+    mask = h_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ptrs = x_row_ptr + heads[:, None] * stride_h + (offs_d % HALF)[None, :]
+    x1 = _value(ptrs, mask, stride_p, PARTS, DTYPE, INTERPRETED)
+    x2 = _value(ptrs + HALF, mask, stride_p, PARTS, DTYPE, INTERPRETED)
+    lo = x1 * cos[None, :] - x2 * sin[None, :]
+    hi = x2 * cos[None, :] + x1 * sin[None, :]
+    return round_to(tl.where((offs_d < HALF)[None, :], lo, hi), DTYPE, INTERPRETED)
 
 
 @triton.jit
-def store_partial(acc_ptr, m_ptr, l_ptr, part, g_valid, m_i, l_i, acc, nonempty, HEAD_DIM: tl.constexpr,
-                  D_P2: tl.constexpr):  # fmt: skip
-    """A slice's partial softmax into the fp32 scratch at indices `part` [GROUP_P2]."""
+def _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_vcs, stride_vch,
+              HEAD_DIM: tl.constexpr, D_P2: tl.constexpr):  # fmt: skip
+    offs_d = tl.arange(0, D_P2)[None, :]
+    mask = offs_d < HEAD_DIM
+    slot = slot.to(tl.int64)
+    tl.store(kc_ptr + slot * stride_kcs + kv_head * stride_kch + offs_d, k_new, mask=mask)
+    tl.store(vc_ptr + slot * stride_vcs + kv_head * stride_vch + offs_d, v_new, mask=mask)
+
+
+@triton.jit
+def _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh,
+                 NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # _decode_merge_kernel for each of the GROUP heads; .cg loads read L2, never a stale L1 line.
     offs_d = tl.arange(0, D_P2)
-    tl.store(m_ptr + part, m_i, mask=g_valid)
-    tl.store(l_ptr + part, l_i, mask=g_valid)
-    # An empty slice's acc is never read (the merge masks it by l > 0): skip the store.
-    if nonempty:
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        base = (row * NUM_HEADS + head) * NUM_SPLITS
+        out = merge_partials(acc_ptr, m_ptr, l_ptr, base, HEAD_DIM, D_P2, NUM_SPLITS, ".cg")
         tl.store(
-            acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-            acc,
-            mask=g_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
+            o_ptr + tok * stride_on + head * stride_oh + offs_d,
+            round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
+            mask=offs_d < HEAD_DIM,
         )
 
 
 @triton.jit
-def merge_partials(acc_ptr, m_ptr, l_ptr, base, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-    """One head's fp32 output [D_P2] from its NUM_SPLITS partials at scratch index `base` on.
-
-    Sums split by split in split order: elementwise adds only, so the result's bits depend
-    on no register layout (the merge kernel and the fused decode's merge, at different
-    num_warps, agree bit for bit). Every load is independent of the others (one round trip).
-    """
-    offs_d = tl.arange(0, D_P2)
-    d_valid = offs_d < HEAD_DIM
-    m_max = tl.load(m_ptr + base, cache_modifier=CACHE)
-    for s in tl.static_range(1, NUM_SPLITS):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + base + s, cache_modifier=CACHE))
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros([D_P2], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        l_s = tl.load(l_ptr + base + s, cache_modifier=CACHE)
-        acc_s = tl.load(acc_ptr + (base + s) * HEAD_DIM + offs_d, mask=d_valid, cache_modifier=CACHE)
-        # An empty slice (l = 0) has weight 0 and its unwritten acc is selected away (a product
-        # would keep a NaN there).
-        w = tl.where(l_s > 0.0, tl.exp2(tl.load(m_ptr + base + s, cache_modifier=CACHE) - m_max), 0.0)
-        total += w * l_s
-        acc += w * tl.where(l_s > 0.0, acc_s, 0.0)
-    return acc / tl.where(total > 0.0, total, 1.0)
-
-
-@triton.jit
-def _decode_split_kernel(
+def _fused_decode_kernel(
     q_ptr,
-    o_ptr,
     k_ptr,
     v_ptr,
+    o_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    pos_ptr,
+    table_ptr,
     bt_ptr,
     q_start_ptr,
     len_ptr,
@@ -174,17 +148,26 @@ def _decode_split_kernel(
     acc_ptr,
     m_ptr,
     l_ptr,
+    cnt_ptr,
+    num_pos,
     scale_log2,
     stride_qn,
     stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
     stride_on,
     stride_oh,
-    stride_ks,
-    stride_kh,
-    stride_vs,
-    stride_vh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    stride_t,
     stride_bt,
+    stride_p,
     NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -192,35 +175,62 @@ def _decode_split_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PARTS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY_KV: tl.constexpr,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
+    # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
+    DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    pdl_enter(USE_PDL)
-    # All three loads before the branch: one memory round trip, not two.
-    n_q = tl.load(len_ptr + row)
-    q_pos = tl.load(q_start_ptr + row)
-    tok = tl.load(tok_off_ptr + row).to(tl.int64)
+    # Before the PDL wait (EARLY_KV): the step's metadata and this slice's first key/value tile, off the
+    # critical path behind qkv. No kernel of the PDL chain writes them: the host's copies, the lanes'
+    # prologue (a plain launch, done before the chain's first kernel starts) and earlier launches did.
+    # .cg reads them from L2. Only q, k, v (qkv's output) need the wait.
+    PRE: tl.constexpr = ".cg" if EARLY_KV else ""
+    if not EARLY_KV:
+        pdl_enter(USE_PDL)
+    n_q = tl.load(len_ptr + row, cache_modifier=PRE)
+    q_pos = tl.load(q_start_ptr + row, cache_modifier=PRE)
+    tok = tl.load(tok_off_ptr + row, cache_modifier=PRE).to(tl.int64)
     if n_q == 0:
         return
+    slot = tl.load(slot_ptr + tok, cache_modifier=PRE)
     start, end = slice_bounds(q_pos, split, NUM_SPLITS, BLOCK_N)
+    cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, D_P2, PRE)
+    bt_row = bt_ptr + row * stride_bt
+    k0, v0 = None, None  # without EARLY_KV, attend_slice loads the first tile itself
+    if EARLY_KV:
+        k0, v0 = load_kv_tile(kc_ptr, vc_ptr, bt_row, kv_head, start, end, stride_kcs, stride_kch, stride_vcs,
+                              stride_vch, HEAD_DIM, D_P2, PAGE, BLOCK_N, PRE)  # fmt: skip
+        pdl_enter(USE_PDL)
 
     offs_g = tl.arange(0, GROUP_P2)
     g_valid = offs_g < GROUP
     head = kv_head * GROUP + offs_g
-    offs_d = tl.arange(0, D_P2)
-    q = tl.load(
-        q_ptr + tok * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
-        mask=g_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    # SUBSTITUTE False: every key and value comes from the cache (no new_pos, k_new, v_new).
-    m_i, l_i, acc = attend_slice(q, k_ptr, v_ptr, bt_ptr + row * stride_bt, kv_head, start, end, scale_log2,
-                                 stride_ks, stride_kh, stride_vs, stride_vh, None, None, None, GROUP_P2,
-                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, False)  # fmt: skip
+    # The rotated q as rope_write_kv would store it, then read back as paged_decode_attention does.
+    q = _rotated(q_ptr + tok * stride_qn, head, g_valid, stride_qh, stride_p, cos, sin, HEAD_DIM // 2,
+                 HEAD_DIM, D_P2, DTYPE, PARTS, INTERPRETED).to(tl.float32)  # fmt: skip
+    one = tl.arange(0, 1)
+    k_new = _rotated(k_ptr + tok * stride_kn, kv_head + one, one == 0, stride_kh, stride_p, cos, sin,
+                     HEAD_DIM // 2, HEAD_DIM, D_P2, DTYPE, PARTS, INTERPRETED)  # fmt: skip
+    offs_d = tl.arange(0, D_P2)[None, :]
+    v_ptrs = v_ptr + tok * stride_vn + kv_head * stride_vh + offs_d
+    v_new = _value(v_ptrs, offs_d < HEAD_DIM, stride_p, PARTS, DTYPE, INTERPRETED).to(DTYPE)
+    # slot < 0 writes nothing: the key and value at q_pos are the cache's, as in the three launches.
+    new_pos = tl.where(slot >= 0, q_pos, -1)
+    m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
+                                 stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
+                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0)  # fmt: skip
+    # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
+    # the last split, after its loop, so that under the interpreter (programs run in grid order)
+    # every read of the launch precedes the write and the tests prove that none depends on it.
+    if (split == NUM_SPLITS - 1) & (slot >= 0):
+        _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                  HEAD_DIM, D_P2)  # fmt: skip
     if NUM_SPLITS == 1:
         store_normalised(
             o_ptr, tok, head, g_valid, stride_on, stride_oh, acc, l_i, HEAD_DIM, D_P2, INTERPRETED
@@ -228,89 +238,28 @@ def _decode_split_kernel(
     else:
         part = (row * NUM_HEADS + head) * NUM_SPLITS + split
         store_partial(acc_ptr, m_ptr, l_ptr, part, g_valid, m_i, l_i, acc, start < end, HEAD_DIM, D_P2)
+        # Every thread's partial is stored before the (release) arrival is counted.
+        tl.debug_barrier()
+        counter = cnt_ptr + row * NUM_KV_HEADS + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh, NUM_HEADS,
+                         GROUP, HEAD_DIM, D_P2, NUM_SPLITS, INTERPRETED)  # fmt: skip
+            # Ready for the next launch: every program of this (row, KV head) has arrived. Relaxed: the
+            # launch's end orders it before the next launch's arrivals, and an acq_rel exchange would first
+            # wait for the merged stores above (~0.5 us on the chain).
+            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
-@triton.jit
-def _decode_merge_kernel(
-    o_ptr,
-    len_ptr,
-    tok_off_ptr,
-    acc_ptr,
-    m_ptr,
-    l_ptr,
-    stride_on,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_P2: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    # One program: one row, one query head; combines its NUM_SPLITS partial softmaxes.
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    pdl_enter(USE_PDL)
-    # Every load is independent of the others (one round trip); a padding row's are unused garbage.
-    n_q = tl.load(len_ptr + row)
-    tok = tl.load(tok_off_ptr + row).to(tl.int64)
-    out = merge_partials(
-        acc_ptr, m_ptr, l_ptr, (row * NUM_HEADS + head) * NUM_SPLITS, HEAD_DIM, D_P2, NUM_SPLITS, ""
-    )
-    if n_q == 0:
-        return
-    offs_d = tl.arange(0, D_P2)
-    tl.store(
-        o_ptr + tok * stride_on + head * stride_oh + offs_d,
-        round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
-        mask=offs_d < HEAD_DIM,
-    )
-
-
-def decode_config(rows: int, kv_heads: int, group: int, head_dim: int, max_context: int) -> dict:
-    """NUM_SPLITS, BLOCK_N and num_warps of a launch: a pure function of fixed shapes, never of contexts.
-
-    Splits aim at about 1024 programs from rows x KV heads x splits, clamped to 8..16,
-    and never exceed the BLOCK_N tiles of the longest possible context.
-    """
-    # Measured on the H200 (16 heads x 128, contexts 192 and 1024, R 1/8/32): 16-wide tiles on
-    # two warps and 8 to 16 splits were best everywhere (5.2 us at R=1 vs 12.3 for paged_attention).
-    block_n = 16
-    want = next_pow2(triton.cdiv(1024, max(1, rows * kv_heads)))
-    num_splits = max(1, min(max(8, min(16, want)), next_pow2(triton.cdiv(max_context, block_n))))
-    return {"NUM_SPLITS": num_splits, "BLOCK_N": block_n, "num_warps": 2}
-
-
-# Under the CPU interpreter every program runs in Python, and most of 8-16 slices of a test's short
-# context are empty: without a config, 2 splits (the same split-and-merge code) keep the engine-level
-# CPU tests ~2x faster. Kernel tests pass their configs; the GPU always takes decode_config's.
-INTERPRETER_MAX_SPLITS = 2
-
-
-def launch_config(rows: int, kv_heads: int, group: int, head_dim: int, max_context: int, config) -> dict:
-    """decode_config with the keys of `config` (a dict or None) overriding it; NUM_SPLITS checked."""
-    cfg = decode_config(rows, kv_heads, group, head_dim, max_context)
-    if interpreting() and not config:
-        cfg["NUM_SPLITS"] = min(cfg["NUM_SPLITS"], INTERPRETER_MAX_SPLITS)
-    cfg.update(config or {})
-    splits = cfg["NUM_SPLITS"]
-    if splits < 1 or splits & (splits - 1):
-        raise ValueError(f"NUM_SPLITS must be a power of two, got {splits}")
-    return cfg
-
-
-def partials_scratch(rows: int, heads: int, splits: int, head_dim: int, device) -> tuple[torch.Tensor, ...]:
-    """fp32 (acc [R, Hq, S, D], m [R, Hq, S], l [R, Hq, S]) in one allocation; a dummy when S is 1."""
-    parts = rows * heads * splits if splits > 1 else 0
-    scratch = torch.empty(max(1, parts * (head_dim + 2)), dtype=torch.float32, device=device)
-    d = head_dim
-    return scratch[: parts * d], scratch[parts * d : parts * (d + 1)], scratch[parts * (d + 1) :]
-
-
-def paged_decode_attention(
+def fused_decode_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
     block_tables: torch.Tensor,
     row_q_start: torch.Tensor,
     row_len: torch.Tensor,
@@ -320,48 +269,100 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """paged_attention with max_q_len = 1, split over the context; returns out [N, Hq, D].
+    """rope_write_kv then paged_decode_attention in one launch, bit for bit; returns out [N, Hq, D].
 
-    Same tensors and layout as paged_attention: row r's one query token is
-    q[row_tok_off[r]] at position row_q_start[r], attending to positions 0 .. that
-    position through block_tables[r]. A row with row_len 0 writes nothing (padding);
-    a longer row is computed for its first token only. Output rows of no row are
-    left untouched. Accumulates in fp32; the merge of the slices is exact up to fp32
-    rounding, so results match paged_attention to about 1e-6 relative in fp32.
-    config overrides keys of decode_config (NUM_SPLITS a power of two, BLOCK_N,
-    num_warps, merge_warps); the default depends on shapes only (rows, heads, and
-    max context = block_tables.shape[1] * block_size), so the launches can be
-    captured in a CUDA graph. With NUM_SPLITS > 1 it allocates an fp32 scratch of
-    R x Hq x NUM_SPLITS x (D + 2) and launches a merge kernel; with 1, a single launch.
+    q [N, Hq, D], k, v [N, Hkv, D]: UNROTATED projections (any row and head strides,
+    contiguous last dimension: column views of one qkv output work); or each [S, N, H, D] fp32, the
+    qkv matmul's partial products (views of one tc_linear(partial=True) output, one slot stride),
+    added in slot order and rounded to the cache dtype before use; slot_mapping,
+    positions [N] and cos_sin (rope_cos_sin_table) as for rope_write_kv; the paged
+    metadata, scale, out and config (keys of decode_config) as for
+    paged_decode_attention. Only each row's token is rotated and written: row r's
+    token row_tok_off[r] writes its K/V to slot_mapping of it (none when < 0), which
+    must be row r's slot of position row_q_start[r]; a token with a slot >= 0 must
+    belong to a row, and no row may read a slot another row writes. The engine's
+    decode calls meet all three. q itself is left unrotated, and output rows of no
+    row untouched. With NUM_SPLITS > 1 it uses the same fp32 scratch as
+    paged_decode_attention plus per-device arrival counters (allocated on the first
+    call of a shape; never during CUDA-graph capture).
     """
+    parts, stride_p = (q.shape[0], q.stride(0)) if q.dim() == 4 else (0, 0)
+    if parts:
+        _check_partials(q, k, v)
+        q, k, v = q[0], k[0], v[0]  # slot 0's views: a token's and a head's strides
+    dt = k_cache.dtype
     n, hq, d, hkv, r = check_paged_inputs(
-        q, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off
+        _typed(q, dt), k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off
     )
+    _check_rope_kv(_typed(k, dt), _typed(v, dt), k_cache, slot_mapping, positions, cos_sin, n, hkv, d)
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=dt, device=q.device)
     check_float("out", out)
     if r == 0 or n == 0:
         return out
     group = hq // hkv
     cfg = launch_config(r, hkv, group, d, block_tables.shape[1] * block_size, config)
+    cfg.pop("merge_warps", None)  # no merge launch
     splits = cfg["NUM_SPLITS"]
-    merge_warps = cfg.pop("merge_warps", 1 if splits * next_pow2(d) <= 2048 else 4)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc, m, lsum = partials_scratch(r, hq, splits, d, q.device)
-    interp, pdl = interpreting(), pdl_launch(q.device, "decode_attention")
-    _decode_split_kernel[(r, hkv, splits)](
-        q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off, acc, m, lsum,
-        scale * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+    counters = _COUNTERS.get(q.device, r * hkv) if splits > 1 else acc
+    early = pdl_launch_ok(q.device, r * hkv)
+    _fused_decode_kernel[(r, hkv, splits)](
+        q, k, v, out, k_cache, v_cache, slot_mapping, positions, cos_sin, block_tables,
+        row_q_start, row_len, row_tok_off, acc, m, lsum, counters,
+        cos_sin.shape[0], scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0),
-        NUM_HEADS=hq, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d, D_P2=next_pow2(d),
-        PAGE=block_size, INTERPRETED=interp, **cfg, **pdl,
+        cos_sin.stride(0), block_tables.stride(0), stride_p,
+        NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
+        D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
+        USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early, **maxnreg(r),
     )  # fmt: skip
-    if splits > 1:
-        _decode_merge_kernel[(r, hq)](
-            out, row_len, row_tok_off, acc, m, lsum, out.stride(0), out.stride(1),
-            NUM_HEADS=hq, HEAD_DIM=d, D_P2=next_pow2(d), NUM_SPLITS=splits, INTERPRETED=interp,
-            num_warps=merge_warps, **pdl,
-        )  # fmt: skip
     return out
+
+
+def _check_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not (k.dim() == v.dim() == 4 and q.dtype == k.dtype == v.dtype == torch.float32):
+        raise ValueError("partial q, k and v must each be float32 [S, N, H, D]")
+    if not (q.shape[0] == k.shape[0] == v.shape[0] and q.stride(0) == k.stride(0) == v.stride(0)):
+        raise ValueError("partial q, k and v must be views of one partial output (one slot count and stride)")
+
+
+def _typed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # t itself, or a storage-less stand-in of its shape in dtype (for the shape and dtype checks).
+    return t if t.dtype == dtype else torch.empty(t.shape, dtype=dtype, device="meta")
+
+
+def _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n: int, hkv: int, d: int) -> None:
+    check_float("k", k)
+    check_float("v", v)
+    check_same_dtype(k=k, v=v, k_cache=k_cache)
+    if k.shape != (n, hkv, d) or v.shape != k.shape:
+        raise ValueError(f"k and v must be [{n}, {hkv}, {d}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if slot_mapping.shape != (n,) or positions.shape != (n,):
+        raise ValueError(
+            f"slot_mapping and positions must be [{n}], "
+            f"got {tuple(slot_mapping.shape)} and {tuple(positions.shape)}"
+        )
+    if d % 2 or cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != d:
+        raise ValueError("RoPE needs an even head_dim and cos_sin float32 [max_positions, head_dim]")
+
+
+def pdl_launch_ok(device: torch.device, row_heads: int) -> bool:
+    """Launch with the PDL attribute and the early loads (EARLY_KV): PDL on, and rows x KV heads at most
+    tuning.DECODE_ATTN_PDL_ROW_HEADS_PER_SM times the SMs."""
+    return pdl_enabled(device) and row_heads <= sm_count(device) * DECODE_ATTN_PDL_ROW_HEADS_PER_SM
+
+
+def maxnreg(rows: int) -> dict:
+    """The launch's `maxnreg` keyword for a decode of `rows` rows: the cap up to tuning's row count, else {}
+    (the compiler's choice; also under the interpreter, which has no registers)."""
+    if rows > DECODE_ATTN_MAXNREG_ROWS or interpreting():
+        return {}
+    return {"maxnreg": DECODE_ATTN_MAXNREG}
+
+
+# Per device: the arrival counters (all zero between launches).
+_COUNTERS = ArrivalCounters("fused_decode_attention", _MIN_COUNTERS)

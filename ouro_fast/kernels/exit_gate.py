@@ -5,7 +5,7 @@ g_t = h . w + b (model/exit_rule.py). In PyTorch that is a cuBLAS dot, a reducti
 cast and five elementwise launches (~12 us of kernels a launch on the H200, plus their
 gaps); here one program per row does the dot in fp32, rounds g to the model's dtype as
 the Linear would, and applies the update. The host-driven step (gate_log_survival) and
-the decode lanes (kernels/lanes.py, fused into their exit decision) share
+the decode lanes (engine/gpu/lane_kernels.py, fused into their exit decision) share
 `log_survival`, so both paths compute the same bits and run-ahead replays the host's
 exits exactly. logsigmoid(t) = min(t, 0) - log1p(exp(-|t|)), torch's formula, with
 log1p from log alone (Goldberg's correction), so it also runs under the interpreter.
@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import interpreting, next_pow2
+from .launch import interpreting, next_pow2
 from .rounding import round_to
+from .tuning import EXIT_GATE_BLOCK, SMALL_KERNEL_WARPS
 
 
 @triton.jit
@@ -69,6 +70,7 @@ def gate_log_survival(x: torch.Tensor, last: torch.Tensor, prev: torch.Tensor, l
     if r:
         _gate_kernel[(r,)](
             x, x.stride(0), last, prev, ls_prev, weight, bias, out, hidden,
-            BLOCK_H=min(2048, next_pow2(hidden)), INTERPRETED=interpreting(), num_warps=4,
+            BLOCK_H=min(EXIT_GATE_BLOCK, next_pow2(hidden)), INTERPRETED=interpreting(),
+            num_warps=SMALL_KERNEL_WARPS,
         )  # fmt: skip
     return out

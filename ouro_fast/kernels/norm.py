@@ -7,16 +7,14 @@ rounded again (as torch does for two bf16 tensors); every step is replayed here.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from .launch import check_float, check_same_dtype, interpreting, next_pow2
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
-from .stamps import stamp
+from .tuning import NORM_MAX_WARPS, NORM_MIN_WARPS, NORM_ROW_ELEMS_PER_WARP
 
 
 @triton.jit
@@ -51,12 +49,6 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _stamp(ts_ptr, k: tl.constexpr, STAMP: tl.constexpr):
-    # STAMP (benchmark timelines only): this program's time of event k (0 start, 1 PDL wait over, 2 done).
-    stamp(ts_ptr + tl.program_id(0) * 4 + k, STAMP)
-
-
-@triton.jit
 def _add_rms_norm_kernel(
     h_ptr,
     a_ptr,
@@ -70,25 +62,21 @@ def _add_rms_norm_kernel(
     stride_ho,
     stride_xo,
     stride_part,
-    ts_ptr,
     H: tl.constexpr,
     PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
-    STAMP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     dtype = h_out_ptr.dtype.element_ty
-    _stamp(ts_ptr, 0, STAMP)
     # The weights before the PDL wait (no kernel writes them): off the wait's critical path. After it the
-    # loads queue behind the next matmul's weight stream (docs/benchmarks.md, seventeenth session).
+    # loads would queue behind the next matmul's weight stream.
     w_a = tl.load(w_a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w_next = tl.load(w_next_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pdl_enter(USE_PDL)
-    _stamp(ts_ptr, 1, STAMP)
     # Every load before the first store: one round trip (the compiler keeps loads behind a store).
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + row * stride_a + offs, mask=mask, other=0.0).to(tl.float32)
@@ -100,7 +88,6 @@ def _add_rms_norm_kernel(
     tl.store(h_out_ptr + row * stride_ho + offs, h_new, mask=mask)
     x = _rms(h_new.to(tl.float32), w_next, H, eps, dtype, INTERPRETED)
     tl.store(x_out_ptr + row * stride_xo + offs, x.to(x_out_ptr.dtype.element_ty), mask=mask)
-    _stamp(ts_ptr, 2, STAMP)
 
 
 def _check_rows(x: torch.Tensor, w: torch.Tensor, name: str) -> None:
@@ -121,7 +108,7 @@ def rms_norm(
         _rms_norm_kernel[(x.shape[0],)](
             x, weight, out, eps, x.stride(0), out.stride(0),
             H=h, BLOCK=next_pow2(h), INTERPRETED=interpreting(), num_warps=_warps(h),
-            **pdl_launch(x.device, "norm"),
+            **pdl_launch(x.device),
         )  # fmt: skip
     return out
 
@@ -134,7 +121,6 @@ def add_rms_norm(
     eps: float,
     h_out: torch.Tensor | None = None,
     x_out: torch.Tensor | None = None,
-    stamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h_new = h + RMS(a, weight_a); x = RMS(h_new, weight_next); returns (h_new, x), each [N, H].
 
@@ -143,8 +129,6 @@ def add_rms_norm(
     h_out may be h itself (in place). All tensors share one dtype, except that a may also be
     a matmul's fp32 partial products [P, N, H] (tc_linear's parts): they are added in order
     and rounded to the dtype, as the matmul's own output would be.
-    stamps (benchmark timelines, CUDA only): int64 [N, 4] that receives each row's global-timer stamps
-    (start, PDL wait over, done).
     """
     _check_rows(h, weight_a, "h")
     parts = a.shape[0] if a.dim() == 3 else 0
@@ -166,18 +150,12 @@ def add_rms_norm(
         _add_rms_norm_kernel[(h.shape[0],)](
             h, a, weight_a, weight_next, h_out, x_out, eps,
             h.stride(0), a.stride(-2), h_out.stride(0), x_out.stride(0), a.stride(0) if parts else 0,
-            h if stamps is None else stamps,
             H=n, PARTS=parts, BLOCK=next_pow2(n), INTERPRETED=interpreting(), num_warps=_warps(n),
-            STAMP=stamps is not None, **pdl_launch(h.device, "norm"),
+            **pdl_launch(h.device),
         )  # fmt: skip
     return h_out, x_out
 
 
 def _warps(h: int) -> int:
-    # A decode step normalizes 1-16 rows, one program each: more warps keep more of a row's loads in
-    # flight (ouro-1.4b, H200, captured loop at 1 / 8 rows: 4 warps 1.163 / 1.262 ms, 16 warps 1.128 /
-    # 1.220, 32 the same as 16).
-    return _WARPS or max(4, min(16, next_pow2(h) // 128))
-
-
-_WARPS = int(os.environ.get("OURO_FAST_NORM_WARPS", "0"))  # for A/B runs on the GPU; 0: by the row's size
+    # One program a row: more warps keep more of a row's loads in flight (tuning.py).
+    return max(NORM_MIN_WARPS, min(NORM_MAX_WARPS, next_pow2(h) // NORM_ROW_ELEMS_PER_WARP))

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ._util import interpreting
+from .launch import interpreting
 
 logger = logging.getLogger("ouro_fast")
 _WALKING = threading.Lock()  # the patch below is process-wide: one walk at a time

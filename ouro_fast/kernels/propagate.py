@@ -6,8 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, next_pow2
+from .launch import check_float, next_pow2
 from .pdl import pdl_enter, pdl_launch
+from .tuning import PROPAGATE_BLOCK, SMALL_KERNEL_WARPS
 
 
 @triton.jit
@@ -73,6 +74,7 @@ def propagate_kv(
     _propagate_kernel[(p, two * layers)](
         kv_cache, src, dst, src if count is None else count,
         layers, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        ROW=row, BLOCK=min(next_pow2(row), 4096), HAS_COUNT=count is not None, num_warps=4,
-        **pdl_launch(kv_cache.device, "propagate"),
+        ROW=row, BLOCK=min(next_pow2(row), PROPAGATE_BLOCK), HAS_COUNT=count is not None,
+        num_warps=SMALL_KERNEL_WARPS,
+        **pdl_launch(kv_cache.device),
     )  # fmt: skip

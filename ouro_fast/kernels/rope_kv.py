@@ -6,22 +6,27 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.ouro import rope_cos_sin
-from ._util import check_float, check_same_dtype, interpreting, next_pow2
+from .launch import check_float, check_same_dtype, interpreting, next_pow2
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
+from .tuning import SMALL_KERNEL_WARPS
 
 
 def rope_cos_sin_table(max_positions: int, head_dim: int, theta: float, device=None) -> torch.Tensor:
     """float32 [max_positions, head_dim]: cos in [:, :head_dim/2], sin in [:, head_dim/2:].
 
-    Built by the model's own rope_cos_sin, so the kernel rotates bit-for-bit with the
-    same angles as OuroForCausalLM.run_loop.
+    The same operations as the model's rope_cos_sin (model/ouro.py) over positions
+    0 .. max_positions - 1, so the kernel rotates bit for bit with the angles of
+    OuroForCausalLM.run_loop (tests/test_kernels.py checks the two agree).
     """
     pos = torch.arange(max_positions, device=device)
-    cos, sin = rope_cos_sin(pos, head_dim, theta)
+    exponents = torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]
+    # cos and sin of the duplicated angles, as rope_cos_sin takes them, then one half of each.
+    emb = torch.cat((freqs, freqs), dim=-1)
     half = head_dim // 2
-    return torch.cat((cos[:, :half], sin[:, :half]), dim=1).contiguous()
+    return torch.cat((emb.cos()[:, :half], emb.sin()[:, :half]), dim=1).contiguous()
 
 
 @triton.jit
@@ -177,7 +182,7 @@ def rope_write_kv(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         cos_sin.stride(0),
         HQ=hq, HKV=hkv, HQ_P2=next_pow2(hq), HKV_P2=next_pow2(hkv), HALF=d // 2, HALF_P2=next_pow2(d // 2),
-        HEAD_DIM=d, D_P2=next_pow2(d), APPLY_ROPE=rope, num_warps=4,
-        INTERPRETED=interpreting(), **pdl_launch(q.device, "rope_kv"),
+        HEAD_DIM=d, D_P2=next_pow2(d), APPLY_ROPE=rope, num_warps=SMALL_KERNEL_WARPS,
+        INTERPRETED=interpreting(), **pdl_launch(q.device),
     )  # fmt: skip
     return q_out

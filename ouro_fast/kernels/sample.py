@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, next_pow2
+from .launch import check_float, next_pow2
 from .pdl import pdl_enter, pdl_launch
+from .tuning import SAMPLE_BLOCK, SAMPLE_WARPS, SAMPLE_WIDE_BLOCK, SAMPLE_WIDE_WARPS
 
 
 @triton.jit
@@ -80,11 +81,11 @@ def sample_gumbel(
         raise ValueError(f"row_gate must be int32 [{r}], got {row_gate.dtype} {tuple(row_gate.shape)}")
     out = torch.empty(r, dtype=torch.int64, device=logits.device)
     if r:
-        block = min(4096, next_pow2(vocab))
-        warps = 8 if block >= 2048 else 4
+        block = min(SAMPLE_BLOCK, next_pow2(vocab))
+        warps = SAMPLE_WIDE_WARPS if block >= SAMPLE_WIDE_BLOCK else SAMPLE_WARPS
         gate = row_gate if row_gate is not None else seeds  # any tensor: read only when GATED
         _sample_kernel[(r,)](
             logits, temperature, seeds, gate, out, vocab, logits.stride(0), greedy_eps, BLOCK=block,
-            GATED=row_gate is not None, num_warps=warps, **pdl_launch(logits.device, "sample"),
+            GATED=row_gate is not None, num_warps=warps, **pdl_launch(logits.device),
         )  # fmt: skip
     return out

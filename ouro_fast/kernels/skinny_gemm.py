@@ -23,59 +23,29 @@ during capture. Calls that share the counters must be ordered (one stream).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._util import ArrivalCounters, check_float, check_same_dtype, interpreting, next_pow2, sm_count
+from .launch import ArrivalCounters, check_float, check_same_dtype, interpreting, next_pow2, sm_count
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 from .swiglu import silu_and_mul, silu_mul
+from .tuning import (
+    SKINNY_CONFIGS,
+    SKINNY_DEFAULT_BLOCK_K,
+    SKINNY_DEFAULT_BLOCK_N,
+    SKINNY_DEFAULT_PROGRAMS_PER_SM,
+    SKINNY_DEFAULT_STAGES,
+    SKINNY_DEFAULT_WARPS,
+    SKINNY_MAX_M,
+    SKINNY_REDUCE_BLOCK,
+    SKINNY_REDUCE_WARPS,
+)
 
-# Above this many rows the matmul is no longer weight-bound: cuBLAS (F.linear) takes over.
-SKINNY_MAX_M = 16
-# Load each program's first weight chunk before the PDL wait (OURO_FAST_EARLY_WEIGHT=0: after, for A/B runs).
-EARLY_WEIGHT = os.environ.get("OURO_FAST_EARLY_WEIGHT", "1") != "0"
 # One counter per column tile; BLOCK_N >= 8 covers N up to 65,536 without growing.
 _MIN_COUNTERS = 8192
-# The fastest config per (N, K, next_pow2(M)) of the Ouro-1.4B decode matmuls, measured in isolation on
-# the H200 (bench/gpu/gemm_bench.py, bench/results/gpu/h200-2026-11-29/gemm_bench.json); other shapes
-# use default_config. Values: (BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, FUSED_REDUCE, num_warps, num_stages).
-# Kept where cuBLAS was a little faster alone: in the decode chain every kernel
-# must be a PDL kernel for launches to overlap.
-# fmt: off
-TUNED_CONFIGS: dict[tuple[int, int, int], tuple] = {
-    (6144, 2048, 1): (16, 512, 1, False, True, 4, 3),  # qkv 9.17 us, F.linear 9.29
-    (6144, 2048, 2): (64, 256, 1, True, True, 4, 4),  # qkv 9.78 us, F.linear 9.19
-    (6144, 2048, 4): (64, 256, 1, True, True, 4, 4),  # qkv 9.44 us, F.linear 9.54
-    (6144, 2048, 8): (64, 256, 1, True, True, 4, 4),  # qkv 9.22 us, F.linear 9.28
-    (6144, 2048, 16): (64, 256, 1, True, True, 4, 4),  # qkv 8.62 us, F.linear 9.43
-    (2048, 2048, 1): (64, 128, 4, True, True, 4, 4),  # o_proj 6.18 us, F.linear 6.13
-    (2048, 2048, 2): (64, 128, 4, True, True, 4, 4),  # o_proj 6.25 us, F.linear 6.08
-    (2048, 2048, 4): (64, 128, 4, True, True, 4, 4),  # o_proj 6.13 us, F.linear 6.19
-    (2048, 2048, 8): (64, 128, 4, True, True, 4, 4),  # o_proj 5.97 us, F.linear 6.08
-    (2048, 2048, 16): (64, 128, 4, True, False, 4, 4),  # o_proj 5.98 us, F.linear 6.10
-    (11264, 2048, 1): (128, 128, 1, True, True, 8, 4),  # gate_up 14.68 us, F.linear 13.30
-    (11264, 2048, 2): (128, 128, 1, True, True, 8, 4),  # gate_up 14.54 us, F.linear 13.37
-    (11264, 2048, 4): (128, 128, 1, True, True, 8, 4),  # gate_up 14.89 us, F.linear 13.46
-    (11264, 2048, 8): (128, 128, 1, True, True, 8, 4),  # gate_up 14.23 us, F.linear 13.57
-    (11264, 2048, 16): (128, 128, 1, True, True, 8, 4),  # gate_up 13.69 us, F.linear 13.65
-    (2048, 5632, 1): (64, 128, 4, True, True, 4, 4),  # down 9.71 us, F.linear 11.21
-    (2048, 5632, 2): (64, 128, 4, True, True, 4, 4),  # down 9.53 us, F.linear 11.03
-    (2048, 5632, 4): (64, 256, 4, True, True, 4, 4),  # down 9.71 us, F.linear 11.11
-    (2048, 5632, 8): (64, 128, 4, True, True, 4, 4),  # down 9.44 us, F.linear 11.10
-    (2048, 5632, 16): (64, 128, 4, True, True, 4, 4),  # down 9.56 us, F.linear 11.23
-    # The run-ahead lanes' gated lm_head (h200-2026-11-29-s4/call1); M = 2, 4 untimed, given M = 1's.
-    (49152, 2048, 1): (128, 128, 1, True, True, 8, 4),  # lm_head 50.46 us, F.linear 48.21
-    (49152, 2048, 2): (128, 128, 1, True, True, 8, 4),
-    (49152, 2048, 4): (128, 128, 1, True, True, 8, 4),
-    (49152, 2048, 8): (128, 128, 1, True, True, 8, 4),  # lm_head 50.30 us, F.linear 49.47
-    (49152, 2048, 16): (64, 128, 1, True, True, 4, 2),  # lm_head 49.33 us, F.linear 49.84
-}
-# fmt: on
 # Split-K factors the GPU benchmark sweeps for the Ouro-1.4B shapes (N, K): qkv, o_proj, gate_up, down.
 CANDIDATE_SPLITS: dict[tuple[int, int], tuple[int, ...]] = {
     (6144, 2048): (1, 2, 4, 8),
@@ -204,7 +174,6 @@ def _skinny_kernel(
     SILU_MUL_OFF: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
-    EARLY_W: tl.constexpr,
     GATED: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of every row, over K range pid_k.
@@ -225,12 +194,9 @@ def _skinny_kernel(
         if tl.max(tl.load(gate_ptr + offs_m, mask=offs_m < M, other=0), axis=0) == 0:
             return
         w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
-    elif EARLY_W:
-        w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
-        pdl_enter(USE_PDL)
     else:
-        pdl_enter(USE_PDL)
         w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
+        pdl_enter(USE_PDL)
     x_rows = tl.minimum(offs_m, M - 1)
     if USE_DOT:
         x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
@@ -277,28 +243,21 @@ def _split_reduce_kernel(ws_ptr, o_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, 
 
 
 def default_config(n: int, k: int, m: int, num_sms: int = 132) -> dict:
-    """A shape-only config: tl.dot on 64 x 128 weight tiles, K split until ~2 programs per SM.
+    """A shape-only config: tl.dot on tuning's default weight tiles, K split until about
+    tuning.SKINNY_DEFAULT_PROGRAMS_PER_SM programs an SM.
 
     Each K range keeps at least two BLOCK_K chunks so the loads still pipeline.
     """
-    block_n, block_k = 64, 128
+    block_n, block_k = SKINNY_DEFAULT_BLOCK_N, SKINNY_DEFAULT_BLOCK_K
     tiles, split = triton.cdiv(n, block_n), 1
-    while tiles * split < 2 * num_sms and k // (2 * split) >= 2 * block_k:
+    while tiles * split < SKINNY_DEFAULT_PROGRAMS_PER_SM * num_sms and k // (2 * split) >= 2 * block_k:
         split *= 2
-    return {
-        "BLOCK_N": block_n,
-        "BLOCK_K": block_k,
-        "SPLIT_K": split,
-        "USE_DOT": True,
-        "FUSED_REDUCE": True,
-        "num_warps": 4,
-        "num_stages": 3,
-    }
+    return _config(block_n, block_k, split, True, True, SKINNY_DEFAULT_WARPS, SKINNY_DEFAULT_STAGES)
 
 
 def skinny_config(n: int, k: int, m: int, num_sms: int = 132) -> dict:
-    """The config skinny_linear uses for w [n, k] and m rows: TUNED_CONFIGS, else default_config."""
-    tuned = TUNED_CONFIGS.get((n, k, next_pow2(m)))
+    """The config skinny_linear uses for w [n, k] and m rows: tuning.SKINNY_CONFIGS, else default_config."""
+    tuned = SKINNY_CONFIGS.get((n, k, next_pow2(m)))
     return _config(*tuned) if tuned else default_config(n, k, m, num_sms)
 
 
@@ -400,7 +359,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
     n_tiles = triton.cdiv(n, block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counters = _COUNTERS.get(x.device, n_tiles) if split > 1 and fused else out
-    interp, pdl = interpreting(), pdl_launch(x.device, "skinny")
+    interp, pdl = interpreting(), pdl_launch(x.device)
     _skinny_kernel[(n_tiles, split)](
         x, w, out, ws, counters, out if gate is None else gate, m, n, k, k_per_split,
         x.stride(0), w.stride(0), out.stride(0),
@@ -408,14 +367,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
         USE_DOT=use_dot, FUSED_REDUCE=fused,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
-        INTERPRETED=interp, EARLY_W=EARLY_WEIGHT, GATED=gate is not None,
+        INTERPRETED=interp, GATED=gate is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
     if split > 1 and not fused:
-        block = min(1024, next_pow2(n))
+        block = min(SKINNY_REDUCE_BLOCK, next_pow2(n))
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
-            ws, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, INTERPRETED=interp, num_warps=4, **pdl
-        )
+            ws, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, INTERPRETED=interp,
+            num_warps=SKINNY_REDUCE_WARPS, **pdl,
+        )  # fmt: skip
 
 
 # Per device: the arrival counters (all zero between launches).

@@ -6,9 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, interpreting
+from .launch import check_float, interpreting
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
+from .tuning import SILU_MUL_BLOCK, SMALL_KERNEL_WARPS
 
 
 @triton.jit
@@ -31,7 +32,9 @@ def _silu_and_mul_kernel(x_ptr, o_ptr, F, stride_x, stride_o, BLOCK: tl.constexp
     tl.store(o_ptr + row * stride_o + offs, silu_mul(g, u, dtype, INTERPRETED), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, block: int = SILU_MUL_BLOCK
+) -> torch.Tensor:
     """silu(x[:, :F]) * x[:, F:] for x [N, 2F] (gate then up, e.g. a fused gate_up matmul); out [N, F].
 
     Matches torch's F.silu(gate) * up in the same dtype: fp32 math, the silu rounded
@@ -51,7 +54,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 
             out.stride(0),
             BLOCK=block,
             INTERPRETED=interpreting(),
-            num_warps=4,
+            num_warps=SMALL_KERNEL_WARPS,
             **pdl_launch(x.device),
         )
     return out

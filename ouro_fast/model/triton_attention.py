@@ -2,18 +2,18 @@
 
 Per model call the runner sets `batch` (a TritonBatch of device tensors). A
 decode-only call (max_q_len 1) on a backend that owns RoPE costs ONE launch per
-layer (kernels/fused_decode.py: RoPE, K/V write, split-context attention and its
-merge); otherwise a layer costs the K/V write (fused with RoPE when the backend
-owns RoPE) and the paged attention (decode-only calls: a split-context launch and
-a merge). No per-layer host work, no device-to-host syncs, and launch grids that
-depend only on tensor shapes and max_q_len, so the call can be captured in a CUDA
-graph at fixed padded shapes.
+layer (kernels/decode_attention.py: RoPE, K/V write, split-context attention and
+its merge); otherwise a layer costs the K/V write (fused with RoPE when the backend
+owns RoPE) and the paged attention (decode-only calls: kernels/split_kv_attention.py,
+a split-context launch and a merge; others: kernels/prefill_attention.py). No
+per-layer host work, no device-to-host syncs, and launch grids that depend only on
+tensor shapes and max_q_len, so the call can be captured in a CUDA graph at fixed
+padded shapes.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,9 +26,6 @@ from ..kernels import (
     rope_cos_sin_table,
     rope_write_kv,
 )
-
-# One launch per decode layer (OURO_FAST_FUSED_DECODE=0: the three-launch path, for A/B runs).
-FUSED_DECODE = os.environ.get("OURO_FAST_FUSED_DECODE", "1") != "0"
 
 
 @dataclass
@@ -106,7 +103,7 @@ class TritonPagedAttention:
     def takes_partials(self) -> bool:
         """True when this call's q, k, v may be the qkv matmul's fp32 partial products [S, N, H, D]
         (the fused decode kernel adds them)."""
-        return self.batch.max_q_len == 1 and self.applies_rope and FUSED_DECODE
+        return self.batch.max_q_len == 1 and self.applies_rope
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch

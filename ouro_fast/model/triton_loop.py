@@ -4,13 +4,15 @@ Needs a fused model (OuroForCausalLM.fuse(): one qkv and one gate_up matmul per
 layer) and an attention backend that applies RoPE (TritonPagedAttention with
 rope_theta). Per layer: qkv matmul, attention (decode: one launch that also
 applies RoPE and writes K/V; prefill: RoPE + K/V write, then attention), o_proj,
-fused add + two RMSNorms, gate_up matmul, SiLU-and-mul fused into the down
-matmul, fused add + RMSNorm (of the next layer's input, or the final norm after
-the last layer). Up to 16 tokens the matmuls are, on Hopper with bf16, the tensor-core
-kernel (kernels/tc_gemm.py, which streams its weights before its PDL wait), elsewhere the
-skinny Triton kernel (so on Hopper every kernel of the loop is a PDL launch); beyond, cuBLAS.
-On tensor cores qkv (in decode calls), o_proj and down hand out fp32 partial products, which
-the fused decode attention and the norms add: no matmul sums between its CTAs.
+fused add + two RMSNorms, gate_up and down matmuls with SiLU-and-mul fused into one
+of them (gate_up's epilogue on tensor cores, else down's prologue), fused add +
+RMSNorm (of the next layer's input, or the final norm after the last layer). Up to
+16 tokens (tuning.TC_MAX_ROWS) the matmuls are, on Hopper with bf16, the tensor-core
+kernel (kernels/tc_gemm.py, which streams its weights before its PDL wait), elsewhere
+the skinny Triton kernel (so on Hopper every kernel of the loop is a PDL launch);
+beyond, cuBLAS. On tensor cores qkv (in decode calls), o_proj and down hand out fp32
+partial products, which the decode attention and the norms add: no matmul sums between
+its CTAs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from ..kernels import add_rms_norm, rms_norm, tc_gemm
 from ..kernels.skinny_gemm import skinny_linear
+from ..kernels.tuning import TC_PACE_BESIDE
 from .ouro import OuroForCausalLM
 
 
@@ -40,7 +43,7 @@ def mlp_partial(m: torch.Tensor, mlp) -> torch.Tensor:
     On tensor cores gate_up hands down silu(gate) * up (tc_gemm's swiglu_out), the bits down's own SiLU
     prologue would compute, so down multiplies a plain input."""
     if tc_gemm.supported(m, mlp.gate_up_weight, swiglu_out=True):
-        gu = tc_gemm.tc_linear(m, mlp.gate_up_weight, swiglu_out=True, pace=tc_gemm.PACE_BESIDE)
+        gu = tc_gemm.tc_linear(m, mlp.gate_up_weight, swiglu_out=True, pace=TC_PACE_BESIDE)
         return linear(gu, mlp.down_proj.weight, partial=True)
     return linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True, partial=True)
 
@@ -55,11 +58,11 @@ def run_loop_fused(model: OuroForCausalLM, h: torch.Tensor, attn) -> torch.Tenso
     for i, layer in enumerate(layers):
         sa, mlp = layer.self_attn, layer.mlp
         # qkv, o_proj and gate_up start beside a running kernel: their first tiles are paced (tc_linear).
-        qkv = linear(x, sa.qkv_weight, partial=qkv_partial, pace=tc_gemm.PACE_BESIDE)
+        qkv = linear(x, sa.qkv_weight, partial=qkv_partial, pace=TC_PACE_BESIDE)
         q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
         lead = qkv.shape[:-1]  # [N], or [S, N] for partial products
         o = attn(i, q.view(*lead, hq, d), k.view(*lead, hkv, d), v.view(*lead, hkv, d)).reshape(n, hq * d)
-        a = linear(o, sa.o_proj.weight, partial=True, pace=tc_gemm.PACE_BESIDE)
+        a = linear(o, sa.o_proj.weight, partial=True, pace=TC_PACE_BESIDE)
         h, m = add_rms_norm(h, a, layer.input_layernorm_2.weight, layer.post_attention_layernorm.weight, eps)
         out = mlp_partial(m, mlp)
         w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...kernels._util import interpreting, next_pow2
 from ...kernels.exit_gate import log_survival
+from ...kernels.launch import interpreting, next_pow2
 from ...kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -44,8 +44,8 @@ def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr
                      h_out_ptr, bt_out_ptr, slot_out_ptr, qstart_out_ptr, run_out_ptr, seed_out_ptr,
                      MB, HIDDEN, seed_base, BS: tl.constexpr, T: tl.constexpr, BLOCK_MB: tl.constexpr,
                      BLOCK_H: tl.constexpr):  # fmt: skip
-    # A plain launch, done before the loop's PDL chain starts: the fused decode attention reads its
-    # block tables and slots before its wait (kernels/fused_decode.py, early_kv).
+    # A plain launch, done before the loop's PDL chain starts: the decode attention reads its
+    # block tables and slots before its wait (kernels/decode_attention.py, EARLY_KV).
     r = tl.program_id(0)
     run, loop, pos, slot = _lane_head(r, active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tables_ptr,
                                       stride_ts, stride_tl, bt_out_ptr, MB, BS, T, BLOCK_MB)  # fmt: skip
@@ -164,7 +164,7 @@ def lane_exits(lanes, run, x, gate, rows: int) -> tuple[torch.Tensor, torch.Tens
     _exits_kernel[(rows,)](
         run, lanes.loop, lanes.ls, x, x.stride(0), gate.weight, gate.bias, lanes.lo, lanes.hi, lanes.log1mq,
         exits, log_surv, hidden, BLOCK_H=min(2048, next_pow2(hidden)), INTERPRETED=interpreting(),
-        num_warps=4, **pdl_launch(run.device, "lanes"),
+        num_warps=4, **pdl_launch(run.device),
     )  # fmt: skip
     return log_surv, exits
 
@@ -179,7 +179,7 @@ def lane_epilogue(lanes, run, slot, log_surv, exits, ids, x, rows: int, block_si
         lanes.h.stride(0), lanes.launches, lanes.tables, lanes.tables.stride(0), lanes.tables.stride(1),
         lanes.record, src, dst, rows, hidden,
         BS=block_size, T=t, NUM_STOP=num_stop, BLOCK_H=min(1024, next_pow2(hidden)),
-        **pdl_launch(run.device, "lanes"),
+        **pdl_launch(run.device),
     )  # fmt: skip
 
 
@@ -201,7 +201,7 @@ def publish_records(lanes, rows: int) -> None:
     ring = lanes.host_records
     _publish_kernel[(1,)](
         lanes.record, ring, lanes.emitted, rows * 4, ring.stride(0), RING=ring.shape[0],
-        BLOCK=next_pow2(ring.shape[1] * 4), **pdl_launch(lanes.device, "lanes"),
+        BLOCK=next_pow2(ring.shape[1] * 4), **pdl_launch(lanes.device),
     )  # fmt: skip
 
 

@@ -13,8 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check_float, check_paged_inputs, interpreting, next_pow2
+from .launch import check_float, check_paged_inputs, interpreting, next_pow2
 from .rounding import round_to
+from .tuning import (
+    PREFILL_BLOCK_N,
+    PREFILL_BLOCK_N_WIDE_HEADS,
+    PREFILL_DOT_M,
+    PREFILL_FMA_BLOCK_N,
+    PREFILL_FMA_MAX_M,
+    PREFILL_FMA_TILE,
+    PREFILL_TILES_PER_ROW,
+    PREFILL_WARPS,
+)
 
 
 @triton.jit
@@ -148,23 +158,22 @@ def attention_config(max_q_len: int, group: int, head_dim: int) -> dict:
 
     Small M (decode with few query heads per KV head) reduces on CUDA cores; otherwise
     tl.dot with M = tokens x group heads padded to at least 16, as tensor cores need.
-    4 warps measured faster on the H200 than 8, with the same bits out (a 128-token prompt with 1 / 8
-    decode rows 8.45 / 10.89 against 8.82 / 11.98 us, 512 tokens 18.47 against 21.95; docs/benchmarks.md,
-    twenty-fifth session); ptxas (sm_90, triton 3.6) reports no spills at head_dim 128: 121 / 231
-    registers at BLOCK_Q 16 / 64 (`bench/gpu/offline_compile.py --paged`).
+    The sizes are tuning.py's PREFILL_* values.
     """
     group_p2, d_p2 = next_pow2(group), next_pow2(head_dim)
     q_p2 = next_pow2(max_q_len)
-    if q_p2 * group_p2 <= 8:
-        block_n = min(128, max(8, 4096 // (q_p2 * group_p2 * d_p2)))
-        return {"BLOCK_Q": q_p2, "BLOCK_N": block_n, "USE_DOT": False, "num_warps": 4}
-    # About 8 tiles per longest row (more programs for short prompts), M = tokens x heads in 16..64.
-    block_q = max(min(q_p2 // 8, max(1, 64 // group_p2)), max(1, 16 // group_p2))
+    if q_p2 * group_p2 <= PREFILL_FMA_MAX_M:
+        least, most = PREFILL_FMA_BLOCK_N
+        block_n = min(most, max(least, PREFILL_FMA_TILE // (q_p2 * group_p2 * d_p2)))
+        return {"BLOCK_Q": q_p2, "BLOCK_N": block_n, "USE_DOT": False, "num_warps": PREFILL_WARPS}
+    # About PREFILL_TILES_PER_ROW tiles per longest row (more programs for short prompts), M in PREFILL_DOT_M.
+    m_least, m_most = PREFILL_DOT_M
+    block_q = max(min(q_p2 // PREFILL_TILES_PER_ROW, max(1, m_most // group_p2)), max(1, m_least // group_p2))
     return {
         "BLOCK_Q": block_q,
-        "BLOCK_N": 64 if d_p2 <= 128 else 32,
+        "BLOCK_N": PREFILL_BLOCK_N if d_p2 <= 128 else PREFILL_BLOCK_N_WIDE_HEADS,
         "USE_DOT": True,
-        "num_warps": 4,
+        "num_warps": PREFILL_WARPS,
     }
 
 

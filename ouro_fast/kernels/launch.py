@@ -1,4 +1,9 @@
-"""Small helpers shared by the kernel wrappers."""
+"""What the kernel wrappers need to launch: input checks, launch facts and arrival counters.
+
+Input checks raise ValueError before a launch; sm_count and interpreting say where kernels
+run; next_pow2 sizes blocks; ArrivalCounters hold the int32 counters of kernels whose last
+program of a group reduces the group.
+"""
 
 from __future__ import annotations
 
