@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks in one device call (about 6-8 minutes): install the carried wheels, build the
 # project, run the GPU tests (kernels vs PyTorch, the Triton runner vs the torch runner), then
-# bench/gpu/engine_probe.py twice: with programmatic dependent launch (the default on Hopper) and
-# with OURO_FAST_PDL=0, so the two step times can be compared on one machine in one call.
+# bench/gpu/engine_probe.py once per probe setting (by default: run-ahead as served, and off), so the
+# step times can be compared on one machine in one call.
 #
 # Device call (repo root, carry .device-wheels; bench/gpu/device-wheels.sh builds it):  bash bench/gpu/check_gpu.sh
 # Writes to $OUT (default bench/results/check-gpu-<UTC time>, git-ignored): check_gpu.log (everything
-# printed), pytest.xml, engine_probe_pdl.json and engine_probe_nopdl.json. Settings: TESTS (the test files, or none), PROBES ("pdl nopdl"; also
-# "noahead": PDL on, run-ahead decode off; "fullahead": run-ahead at full depth too; or
-# "TAG:VAR=VALUE,VAR=VALUE" for a probe with those environment variables, e.g.
-# "earlyoff:OURO_FAST_EARLY_WEIGHT=0"), PROBE_CASES (engine_probe's cases; "none" for graph times only),
+# printed), pytest.xml and engine_probe_<tag>.json per probe. Settings: TESTS (the test files, or none),
+# PROBES ("ahead noahead": run-ahead on, and off; "fullahead": run-ahead at full depth too; or
+# "TAG:VAR=VALUE,VAR=VALUE" for a probe with those environment variables), PROBE_CASES (engine_probe's cases; "none" for graph times only),
 # PROBE_TRACE=1 (also a torch-profiler trace, trace.json), SKIP_SETUP=1 (wheels and build already done
 # in this shell: eval "$(bash .device-wheels/install.sh)" exported).
 set -uo pipefail
@@ -17,8 +16,8 @@ cd "$(dirname "$0")/../.."
 export OUT=${OUT:-bench/results/check-gpu-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/check_gpu.log") 2>&1
-TESTS=${TESTS:-tests/test_kernels.py tests/test_decode_attention.py tests/test_skinny_gemm.py tests/test_gpu_runner.py}
-PROBES=${PROBES:-pdl nopdl}
+TESTS=${TESTS:-tests/test_kernels.py tests/test_decode_attention.py tests/test_skinny_gemm.py tests/test_tc_gemm.py tests/test_exit_gate.py tests/test_sample_kernel.py tests/test_precompile.py tests/test_gpu_runner.py tests/test_runahead.py}
+PROBES=${PROBES:-ahead noahead}
 echo "start $(date -u +%FT%TZ); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 if [ -z "${SKIP_SETUP:-}" ]; then
   eval "$(bash .device-wheels/install.sh)" || { echo "wheel install failed"; exit 3; }
@@ -37,13 +36,12 @@ fi
 for spec in $PROBES; do
   t=$SECONDS
   tag=${spec%%:*}
-  pdl=1 ahead=1
-  [ "$tag" = nopdl ] && pdl=0
+  ahead=1
   [ "$tag" = noahead ] && ahead=0
   [ "$tag" = fullahead ] && ahead=full
   extra=()
   [ "$spec" != "$tag" ] && IFS=, read -r -a extra <<< "${spec#*:}"
-  env OURO_FAST_PDL=$pdl PROBE_RUN_AHEAD=$ahead PROBE_TAG="$tag" "${extra[@]}" python3 bench/gpu/engine_probe.py || rc=1
+  env PROBE_RUN_AHEAD=$ahead PROBE_TAG="$tag" "${extra[@]}" python3 bench/gpu/engine_probe.py || rc=1
   echo "probe $tag: $((SECONDS - t)) s"
 done
 exit $rc

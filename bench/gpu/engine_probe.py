@@ -13,7 +13,7 @@ Settings (environment): PROBE_CASES ("conc:threshold/...", "none": graph times o
 ("conc:threshold:prompts[:K]/..." closed loops, every engine call timed by kind; K: a profiler trace
 after the K-th completion),
 PROBE_TRACE=1 (a chrome trace of the profiled steps), PROBE_LOG_COMPILES=1 (Triton compiles after
-start-up), PROBE_TAG, OURO_FAST_PDL=0 (programmatic dependent launch off, for comparison).
+start-up), PROBE_TAG.
 Writes engine_probe_<tag>.json (and any traces) to $OUT, by default bench/results/engine-probe-<UTC time>/.
 """
 
@@ -191,14 +191,12 @@ def main() -> None:
     # PROBE_RUN_AHEAD_DEPTH: launches queued ahead (1..3).
     ahead = os.environ.get("PROBE_RUN_AHEAD", "1")
     depth = int(os.environ.get("PROBE_RUN_AHEAD_DEPTH", "1"))
-    # PROBE_DATAFLOW: 1 on, 0 off, unset the default (EngineConfig.dataflow: on where supported).
-    dataflow = {"1": True, "0": False}.get(os.environ.get("PROBE_DATAFLOW", ""))
     # PROBE_MAX_TOKENS: the step's token budget (max_num_batched_tokens).
     max_tokens = int(os.environ.get("PROBE_MAX_TOKENS", "2048"))
     eng = Engine(EngineConfig(model=CKPT, max_num_seqs=64, max_num_batched_tokens=max_tokens, runner=runner,
                               run_ahead=ahead != "0", run_ahead_full_depth=ahead == "full",
-                              run_ahead_depth=depth, dataflow=dataflow))  # fmt: skip
-    print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.bt.num_blocks} KV blocks", flush=True)
+                              run_ahead_depth=depth))  # fmt: skip
+    print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.scheduler.num_blocks} KV blocks", flush=True)
     rng = np.random.default_rng(0)
     startup_s = time.perf_counter() - t
     if os.environ.get("PROBE_LOG_COMPILES") == "1":
@@ -223,8 +221,8 @@ def main() -> None:
     memory = {"startup_s": round(startup_s, 2),
               "max_allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 2),
               "reserved_gib": round(torch.cuda.memory_reserved() / gib, 2),
-              "device_used_gib": round((total - free) / gib, 2), "kv_blocks": eng.bt.num_blocks,
-              "pdl": os.environ.get("OURO_FAST_PDL", "1") != "0", "run_ahead": ahead,
+              "device_used_gib": round((total - free) / gib, 2), "kv_blocks": eng.scheduler.num_blocks,
+              "run_ahead": ahead,
               "run_ahead_depth": depth}  # fmt: skip
     print(json.dumps(memory), flush=True)
     table = profile_table(eng, rng) if os.environ.get("PROBE_PROFILE", "1") != "0" else ""

@@ -5,16 +5,13 @@ paged KV cache with every row at context ~`--context`, and times one loop over a
 layers captured in a CUDA graph (CUDA events over `--replays` replays) at each row
 count. `--prefill-tokens T ...` times a loop over a step that carries a prompt instead: `--prefill-lanes`
 decode rows and one `--prompt`-token prompt, padded to T tokens and 64 rows as the runner pads a riders'
-step (engine/riders.py), and the loop's cuBLAS matmuls alone at T rows. `--attn-config SPLITS:BLOCK_N[:WARPS]
+step (engine/gpu/riders.py), and the loop's cuBLAS matmuls alone at T rows. `--attn-config SPLITS:BLOCK_N[:WARPS]
 ...` times the loop again with the decode attention's split count, tile width (and warps) forced
 (decode_config patched, in this process only). `--host-replay` adds each graph's host time a replay() call
-takes, the GPU idle and busy (replay_timing.host_replay_us). Environment switches (OURO_FAST_PDL,
-OURO_FAST_PDL_PLAIN, OURO_FAST_EARLY_WEIGHT, OURO_FAST_FUSED_DECODE, OURO_FAST_EARLY_KV) are read at import:
-run one process per setting, and alternate them so that machine drift shows, e.g.
+takes, the GPU idle and busy (replay_timing.host_replay_us). To compare two builds, run each in its
+own process and alternate them so that machine drift shows:
 
-    for r in a b; do for v in 1 0; do
-      OURO_FAST_PDL=$v python3 -P bench/gpu/step_bench.py --tag "pdl$v-$r"
-    done; done
+    python3 -P bench/gpu/step_bench.py --rows 1 2 8 --replays 300 --tag a
 
 Prints one JSON line (loop milliseconds per row count); nothing is written.
 """
@@ -30,9 +27,9 @@ import torch
 
 from ouro_fast.kernels import split_kv_attention as decode_attention
 from ouro_fast.model.checkpoints import PRESETS
-from ouro_fast.model.triton_loop import run_loop_fused
 from ouro_fast.model.ouro import OuroForCausalLM
 from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention
+from ouro_fast.model.triton_loop import run_loop_fused
 
 sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
 from replay_timing import capture, host_replay_us, replay_ms  # noqa: E402
