@@ -232,7 +232,7 @@ def test_engine_on_tensor_cores_matches_fp32_dense_reference(tmp_path, monkeypat
     fp32 = Engine(EngineConfig(model=model_dir, dtype="float32", runner="torch", device="cpu"))
     ref = DenseReference(dict(fp32.model.state_dict()), fp32.model_config, 128, fp32.vocab_limit)
     engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16", runner="triton", keep_logits=True,
-                                 dataflow=False, max_num_batched_tokens=16))  # fmt: skip
+                                 max_num_batched_tokens=16))  # fmt: skip
     params = SamplingParams(max_tokens=6, temperature=0, exit_threshold=1.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 30))]
     for i, p in enumerate(prompts):
