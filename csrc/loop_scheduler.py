@@ -527,7 +527,7 @@ class LoopScheduler:
         """Turn pending exits into (src, dst) slot pairs, for requests that still hold their KV.
 
         Same pairs as BlockTable.fill_propagation (source in the exit loop's plane, one pair per
-        deeper loop, in order), computed here from the live tables without a Python-level call.
+        deeper loop, in order), computed here from the live tables without a call per pair.
         """
         i: cython.int
         j: cython.int
