@@ -537,6 +537,7 @@ class LoopScheduler:
         pos: cython.int
         e: cython.int
         blk: cython.int
+        at: cython.int
         bs: cython.int = cython.cast(cython.int, self.bt._block_size)
         src: cython.longlong
         for i in range(self._num_pend):
@@ -546,10 +547,11 @@ class LoopScheduler:
                 pos = self._pend_pos[i]
                 e = self._pend_loop[i]
                 blk = pos // bs
-                src = cython.cast(cython.longlong, self.bt._tables[slot, e, blk]) * bs + pos % bs
+                at = pos % bs
+                src = cython.cast(cython.longlong, self.bt._tables[slot, e, blk]) * bs + at
                 for j in range(e + 1, self.num_loops):
                     self._o_psrc[n] = src
-                    self._o_pdst[n] = cython.cast(cython.longlong, self.bt._tables[slot, j, blk]) * bs + pos % bs
+                    self._o_pdst[n] = cython.cast(cython.longlong, self.bt._tables[slot, j, blk]) * bs + at
                     n += 1
         self.num_prop = n
         self._num_pend = 0
