@@ -2,12 +2,11 @@
 #
 # Everything here handles Python strings and lists, so nothing runs without the GIL; the C
 # declarations spare the per-token calls Python's method lookup and argument boxing.
+# _stop_cut, plan_windows and apply_decoded are C functions too, declared in detok.py: nothing
+# cimports them, and a declaration here would export them (__pyx_capi__), which keeps the C
+# compiler from inlining them.
 
 cimport cython
-
-
-# -2 on an exception: -1 is a result (no stop string in the text).
-cdef Py_ssize_t _stop_cut(str text, tuple stops) except -2
 
 
 @cython.final
@@ -30,6 +29,3 @@ cdef class DetokState:
     cdef str _emit(self, str piece, bint final)
     cdef str _take(self, str out)
 
-
-cpdef list plan_windows(list states)
-cpdef list apply_decoded(list states, list decoded, bint final)

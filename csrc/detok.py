@@ -26,6 +26,8 @@ import cython
 REPLACEMENT_CHAR = "\ufffd"
 
 
+@cython.cfunc
+@cython.exceptval(-2, check=False)  # -1 is a result (no stop string in the text)
 def _stop_cut(text: str, stops: tuple) -> cython.Py_ssize_t:
     """Where text is cut for the first stop string to appear in it, -1 when none does.
 
@@ -167,6 +169,7 @@ class DetokState:
         return out
 
 
+@cython.ccall
 def plan_windows(states: list) -> list:
     """The token windows to decode for states, in the order apply_decoded consumes them."""
     windows: list = []
@@ -176,6 +179,7 @@ def plan_windows(states: list) -> list:
     return windows
 
 
+@cython.ccall
 def apply_decoded(states: list, decoded: list, final: cython.bint) -> list:
     """Each state's text delta, given the decoded texts of plan_windows(states) (made with the
     states' skip_special_tokens). final flushes everything left and finishes the states."""
