@@ -29,8 +29,8 @@ cdef class BlockTable:
     cdef object _tables_arr
     cdef object _counts_arr
 
-    cdef int _check_slot(self, Py_ssize_t slot) except -1
-    cdef Py_ssize_t _blocks_for(self, Py_ssize_t num_tokens) except -1
+    cdef inline int _check_slot(self, Py_ssize_t slot) except -1
+    cdef inline Py_ssize_t _blocks_for(self, Py_ssize_t num_tokens) except -1
     cpdef bint allocate(self, Py_ssize_t slot, Py_ssize_t num_tokens) except -1
     cpdef void free(self, Py_ssize_t slot) except *
     cdef void _take_blocks(self, Py_ssize_t slot, Py_ssize_t have, Py_ssize_t need) noexcept nogil
