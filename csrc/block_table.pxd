@@ -29,9 +29,12 @@ cdef class BlockTable:
     cdef object _tables_arr
     cdef object _counts_arr
 
+    # Validation raises ValueError: -1 signals it to C callers.
     cdef inline int _check_slot(self, Py_ssize_t slot) except -1
     cdef inline Py_ssize_t _blocks_for(self, Py_ssize_t num_tokens) except -1
     cpdef bint allocate(self, Py_ssize_t slot, Py_ssize_t num_tokens) except -1
+    # void, so Python still gets None; except *: C callers check PyErr_Occurred (frees are rare).
     cpdef void free(self, Py_ssize_t slot) except *
+    # The block loops, on a checked slot: C fields only, nothing to fail.
     cdef void _take_blocks(self, Py_ssize_t slot, Py_ssize_t have, Py_ssize_t need) noexcept nogil
     cdef void _return_blocks(self, Py_ssize_t slot) noexcept nogil

@@ -1,7 +1,9 @@
 # C interface of ouro_fast.core.loop_scheduler (implemented in loop_scheduler.py).
 #
 # Helpers marked `noexcept nogil` touch only C fields and cannot fail; those that call
-# Python (numpy, the block table's allocate/free) return -1 on an exception.
+# Python (numpy, the block table's allocate/free) return -1 on an exception. Nothing releases
+# the GIL around them: each call is too short for another thread to use it, every release costs
+# a few tens of ns, and a busy thread that takes the GIL can keep it for a switch interval (5 ms).
 
 cimport cython
 
