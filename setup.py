@@ -3,7 +3,9 @@
 Every csrc/<name>.py (Cython pure-Python mode) and csrc/<name>.pyx becomes the
 extension ouro_fast.core.<name>. The same csrc/*.py files are also installed
 uncompiled as ouro_fast.core_py, the twin that tests and benchmarks compare
-against. A missing C compiler is a build error, never a silent fallback.
+against. A csrc/<name>.pxd declares the C interface of ouro_fast.core.<name>
+(augmenting <name>.py, or shared by <name>.pyx) and is what other modules
+cimport. A missing C compiler is a build error, never a silent fallback.
 """
 
 import os
@@ -17,6 +19,8 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 CSRC = HERE / "csrc"
+# Where Cython finds csrc/*.pxd under the modules' qualified names (ouro_fast/core/<name>.pxd).
+PXD_ROOT = HERE / "build" / "pxd"
 
 
 class BuildCore(build_ext):
@@ -42,6 +46,25 @@ def core_sources():
     return sources
 
 
+def pxd_include_path() -> Path:
+    """A directory in which ouro_fast/core is csrc/, for Cython's include path.
+
+    Cython looks a module's .pxd up by the module's qualified name, both the augmenting
+    .pxd of the module being compiled and every cimport; sources in csrc/ are compiled as
+    ouro_fast.core.<name>, so csrc/<name>.pxd is found only through this link.
+    """
+    link = PXD_ROOT / "ouro_fast" / "core"
+    target = os.path.relpath(CSRC, link.parent)
+    if not (link.is_symlink() and os.readlink(link) == target):
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink():
+            link.unlink()
+        elif link.exists():
+            shutil.rmtree(link)
+        link.symlink_to(target, target_is_directory=True)
+    return PXD_ROOT
+
+
 def core_extensions():
     sources = core_sources()
     return [
@@ -61,6 +84,7 @@ setup(
     ext_modules=cythonize(
         core_extensions(),
         language_level=3,
+        include_path=[str(pxd_include_path())],
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
     ),
     cmdclass={"build_ext": BuildCore},

@@ -18,28 +18,19 @@ ouro_fast.core_py.block_table (the twin, same behaviour).
 import cython
 import numpy as np
 
-UNUSED_BLOCK = -1
+# Compiled, this is the C constant of block_table.pxd's `cpdef enum` (same value).
+if not cython.compiled:
+    UNUSED_BLOCK = -1
 
 
-@cython.cclass
 class BlockTable:
     """Owns the free-block pool and every slot's per-loop block tables.
 
     Only the engine-owner thread may call it. The hot methods allocate nothing
-    and touch only the blocks and positions they are asked about.
+    and touch only the blocks and positions they are asked about. Compiled, it
+    cannot be subclassed; its C attributes and C methods are declared in
+    block_table.pxd.
     """
-
-    _num_blocks: cython.Py_ssize_t
-    _block_size: cython.Py_ssize_t
-    _num_loops: cython.Py_ssize_t
-    _max_seqs: cython.Py_ssize_t
-    _max_blocks_per_seq: cython.Py_ssize_t
-    _num_free: cython.Py_ssize_t
-    _tables_arr: object
-    _counts_arr: object
-    _tables: cython.int[:, :, :]
-    _counts: cython.int[:]
-    _free: cython.int[:]
 
     def __init__(
         self,
@@ -103,15 +94,11 @@ class BlockTable:
     def max_blocks_per_seq(self) -> int:
         return self._max_blocks_per_seq
 
-    @cython.cfunc
-    @cython.inline
     def _check_slot(self, slot: cython.Py_ssize_t) -> cython.int:
         if slot < 0 or slot >= self._max_seqs:
             raise ValueError(f"slot {slot} out of range [0, {self._max_seqs})")
         return 0
 
-    @cython.cfunc
-    @cython.inline
     def _blocks_for(self, num_tokens: cython.Py_ssize_t) -> cython.Py_ssize_t:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -138,8 +125,6 @@ class BlockTable:
         """
         need: cython.Py_ssize_t
         have: cython.Py_ssize_t
-        i: cython.Py_ssize_t
-        t: cython.Py_ssize_t
         self._check_slot(slot)
         need = self._blocks_for(num_tokens)
         if need > self._max_blocks_per_seq:
@@ -152,29 +137,38 @@ class BlockTable:
             return True
         if (need - have) * self._num_loops > self._num_free:
             return False
+        self._take_blocks(slot, have, need)
+        return True
+
+    def free(self, slot: cython.Py_ssize_t) -> None:
+        """Return every block of `slot` to the pool and clear its tables; idempotent."""
+        self._check_slot(slot)
+        self._return_blocks(slot)
+
+    @cython.initializedcheck(False)
+    def _take_blocks(self, slot: cython.Py_ssize_t, have: cython.Py_ssize_t, need: cython.Py_ssize_t) -> None:
+        """Grow a checked slot from `have` to `need` blocks per loop; the pool holds enough."""
+        i: cython.Py_ssize_t
+        t: cython.Py_ssize_t
         for i in range(have, need):
             for t in range(self._num_loops):
                 self._num_free -= 1
                 self._tables[slot, t, i] = self._free[self._num_free]
         self._counts[slot] = cython.cast(cython.int, need)
-        return True
 
     @cython.initializedcheck(False)
-    def free(self, slot: cython.Py_ssize_t) -> None:
-        """Return every block of `slot` to the pool and clear its tables; idempotent."""
-        have: cython.Py_ssize_t
+    def _return_blocks(self, slot: cython.Py_ssize_t) -> None:
+        """Push a checked slot's blocks back on the pool and clear its tables."""
         i: cython.Py_ssize_t
         t: cython.Py_ssize_t
-        self._check_slot(slot)
-        have = cython.cast(cython.Py_ssize_t, self._counts[slot])
         # Push in reverse allocation order so a re-allocation gets the same blocks back.
-        i = have - 1
+        i = self._counts[slot] - 1
         while i >= 0:
             t = self._num_loops - 1
             while t >= 0:
                 self._free[self._num_free] = self._tables[slot, t, i]
                 self._num_free += 1
-                self._tables[slot, t, i] = -1  # UNUSED_BLOCK, as a C literal
+                self._tables[slot, t, i] = UNUSED_BLOCK
                 t -= 1
             i -= 1
         self._counts[slot] = 0

@@ -27,6 +27,7 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 @cython.cfunc
+@cython.exceptval(-2, check=False)  # -1 is a result (no stop string in the text)
 def _stop_cut(text: str, stops: tuple) -> cython.Py_ssize_t:
     """Where text is cut for the first stop string to appear in it, -1 when none does.
 
@@ -47,25 +48,13 @@ def _stop_cut(text: str, stops: tuple) -> cython.Py_ssize_t:
     return best_at
 
 
-@cython.cclass
 class DetokState:
     """One request's detokenization state; only the engine-owner thread touches it.
 
     The window holds the request's tokens from prefix_offset on (older ones are
-    dropped as the offsets advance), so its size stays a few tokens.
+    dropped as the offsets advance), so its size stays a few tokens. Compiled, it
+    cannot be subclassed; its C attributes and C methods are declared in detok.pxd.
     """
-
-    _window: list
-    _read: cython.Py_ssize_t
-    _prefix_chars: cython.Py_ssize_t
-    _skip_special: cython.bint
-    _skip_ids: frozenset
-    _stops: tuple
-    _holdback: cython.Py_ssize_t
-    _pending: str
-    _emitted: list
-    _stopped: cython.bint
-    _finished: cython.bint
 
     def __init__(
         self,
@@ -120,22 +109,20 @@ class DetokState:
             self._emitted = ["".join(self._emitted)]
         return self._emitted[0] if self._emitted else ""
 
-    @cython.cfunc
     def _windows_needed(self) -> cython.Py_ssize_t:
         """How many windows this state needs decoded now: none, the full one, or prefix and full."""
         if self._finished or self._read >= len(self._window):
             return 0
         return 2 if self._prefix_chars < 0 else 1
 
-    @cython.cfunc
-    def _plan(self, windows: list) -> cython.void:
+    def _plan(self, windows: list) -> cython.int:
         n: cython.Py_ssize_t = self._windows_needed()
         if n == 2:
             windows.append(self._window[: self._read])
         if n >= 1:
             windows.append(self._window)
+        return 0
 
-    @cython.cfunc
     def _apply(self, decoded: list, at: cython.Py_ssize_t, n: cython.Py_ssize_t, final: cython.bint) -> str:
         """Take this state's n decoded windows from decoded[at:] and return its delta."""
         if self._finished:
@@ -155,7 +142,6 @@ class DetokState:
                 self._prefix_chars = -1
         return self._emit(piece, final)
 
-    @cython.cfunc
     def _emit(self, piece: str, final: cython.bint) -> str:
         """Add newly decoded text; return what may be emitted now after stop and holdback rules."""
         text: str = self._pending + piece
@@ -177,7 +163,6 @@ class DetokState:
         self._pending = text[cut:]
         return self._take(text[:cut])
 
-    @cython.cfunc
     def _take(self, out: str) -> str:
         if out:
             self._emitted.append(out)

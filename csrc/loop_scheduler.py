@@ -1,3 +1,6 @@
+# cython: initializedcheck=False
+# Every memoryview is assigned in __init__. Methods that index one by a caller's rid keep the
+# check (for an instance whose __init__ never ran); on such an instance the others run no loop.
 """The loop-boundary scheduler: which rows run in the next step, and what their exits change.
 
 A request is identified by a small integer `rid`. It owns at most ONE row in
@@ -29,124 +32,20 @@ ouro_fast.core_py.loop_scheduler (the twin).
 import cython
 import numpy as np
 
-FREE = 0
-WAITING = 1
-RUNNING = 2
+# Compiled, these are the C constants of loop_scheduler.pxd's `cpdef enum` (same values).
+if not cython.compiled:
+    FREE = 0
+    WAITING = 1
+    RUNNING = 2
+    NO_EXIT = 127  # exit_lo/exit_hi of a row whose last token does not sample at this step
 
-NO_EXIT = 127  # exit_lo/exit_hi of a row whose last token does not sample at this step
 
-
-@cython.cclass
 class LoopScheduler:
-    """Decides each step's rows. Only the engine-owner thread may call it."""
+    """Decides each step's rows. Only the engine-owner thread may call it.
 
-    bt: object
-    num_loops: cython.int
-    max_requests: cython.int
-    max_rows: cython.int
-    max_tokens: cython.int
-    refill: cython.bint
-    arrivals: cython.longlong
-
-    # Per request (indexed by rid).
-    _status: cython.int[:]
-    _kv_slot: cython.int[:]
-    _num_prompt: cython.int[:]
-    _num_tokens: cython.int[:]
-    _num_done: cython.int[:]
-    _cap: cython.int[:]
-    _arrival: cython.longlong[:]
-    _row_loop: cython.int[:]
-    _row_start: cython.int[:]
-    _row_len: cython.int[:]
-    _row_depth: cython.int[:]  # max depth among the row's non-live tokens
-    _row_live: cython.int[:]  # 1 while the row's last token still has to sample
-    _row_prev_off: cython.int[:]  # this row's first token index in the last step's batch
-    _min_loops: cython.int[:]
-    _max_loops: cython.int[:]
-    _log1mq: cython.float[:]
-    _tokens: list  # per rid: a parked array, or (while it holds a KV slot) a view of its slot's row
-    _depths: list
-    # Tokens and depths of the requests holding KV, one row per slot: the hot paths index these
-    # instead of acquiring a memoryview of a per-request array for every row.
-    _slot_tok_arr: object
-    _slot_dep_arr: object
-    _stok: cython.int[:, :]
-    _sdep: cython.schar[:, :]
-    # The block table's live arrays (mutated in place, never reallocated): slot mappings inline.
-    _tables: cython.int[:, :, :]
-    _counts: cython.int[:]
-    _bs: cython.int
-    _free_rids: cython.int[:]
-    _num_free_rids: cython.int
-    _free_slots: cython.int[:]
-    _num_free_slots: cython.int
-    _running: cython.int[:]  # rids holding a KV slot, oldest arrival first
-    _num_running: cython.int
-    _waiting: cython.int[:]  # ring of rids, head = next to admit
-    _wait_head: cython.int
-    _wait_count: cython.int
-    _num_waiting: cython.int
-    # Pending propagation (rid, position, exit loop), emitted at the next schedule().
-    _pend_rid: cython.int[:]
-    _pend_pos: cython.int[:]
-    _pend_loop: cython.int[:]
-    _pend_epoch: cython.int[:]
-    _num_pend: cython.int
-    _off: cython.int  # tokens placed so far in the step being scheduled
-    _epoch: cython.int[:]  # bumped when a request loses its KV, so stale propagation is dropped
-    _held: cython.int[:]  # 1: neither admitted nor started by schedule() (run-ahead seats it itself)
-
-    # Step outputs (read-only for the caller, valid until the next call).
-    num_rows = cython.declare(cython.int, visibility="readonly")
-    num_step_tokens = cython.declare(cython.int, visibility="readonly")
-    num_cont_tokens = cython.declare(cython.int, visibility="readonly")
-    num_prop = cython.declare(cython.int, visibility="readonly")
-    num_events = cython.declare(cython.int, visibility="readonly")
-    num_preempted = cython.declare(cython.int, visibility="readonly")
-    num_refills = cython.declare(cython.int, visibility="readonly")
-    row_rid = cython.declare(object, visibility="readonly")
-    row_kv_slot = cython.declare(object, visibility="readonly")
-    row_loop = cython.declare(object, visibility="readonly")
-    row_start = cython.declare(object, visibility="readonly")
-    row_len = cython.declare(object, visibility="readonly")
-    row_tok_off = cython.declare(object, visibility="readonly")
-    row_exit_lo = cython.declare(object, visibility="readonly")
-    row_exit_hi = cython.declare(object, visibility="readonly")
-    row_log1mq = cython.declare(object, visibility="readonly")
-    row_new = cython.declare(object, visibility="readonly")
-    row_decode = cython.declare(object, visibility="readonly")
-    token_ids = cython.declare(object, visibility="readonly")
-    positions = cython.declare(object, visibility="readonly")
-    slot_mapping = cython.declare(object, visibility="readonly")
-    hidden_src = cython.declare(object, visibility="readonly")
-    prop_src = cython.declare(object, visibility="readonly")
-    prop_dst = cython.declare(object, visibility="readonly")
-    ev_rid = cython.declare(object, visibility="readonly")
-    ev_token = cython.declare(object, visibility="readonly")
-    ev_loop = cython.declare(object, visibility="readonly")
-    ev_finished = cython.declare(object, visibility="readonly")
-    _o_rid: cython.int[:]
-    _o_slot: cython.int[:]
-    _o_loop: cython.int[:]
-    _o_start: cython.int[:]
-    _o_len: cython.int[:]
-    _o_off: cython.int[:]
-    _o_lo: cython.int[:]
-    _o_hi: cython.int[:]
-    _o_q: cython.float[:]
-    _o_new: cython.int[:]
-    _o_dec: cython.int[:]
-    _o_ids: cython.longlong[:]
-    _o_pos: cython.longlong[:]
-    _o_map: cython.longlong[:]
-    _o_hsrc: cython.longlong[:]
-    _o_psrc: cython.longlong[:]
-    _o_pdst: cython.longlong[:]
-    _e_rid: cython.int[:]
-    _e_tok: cython.int[:]
-    _e_loop: cython.int[:]
-    _e_fin: cython.int[:]
+    Compiled, it takes the compiled BlockTable only (the twin takes the twin's) and
+    cannot be subclassed; its C attributes and C methods are declared in loop_scheduler.pxd.
+    """
 
     def __init__(self, block_table, max_requests: int, max_rows: int, max_tokens: int, refill: bool = True):
         if max_rows < 1 or max_tokens < 1 or max_requests < 1:
@@ -184,8 +83,6 @@ class LoopScheduler:
         self._slot_tok_arr = np.zeros((max_rows, max_len), dtype=np.int32)
         self._slot_dep_arr = np.zeros((max_rows, max_len), dtype=np.int8)
         self._stok, self._sdep = self._slot_tok_arr, self._slot_dep_arr
-        self._tables, self._counts = block_table.tables, block_table.num_blocks_of
-        self._bs = block_table.block_size
         self._free_rids = np.arange(max_requests - 1, -1, -1, dtype=np.int32)
         self._num_free_rids = max_requests
         self._free_slots = np.arange(max_rows - 1, -1, -1, dtype=np.int32)
@@ -204,7 +101,7 @@ class LoopScheduler:
         self._num_pend = 0
         self._alloc_outputs()
 
-    def _alloc_outputs(self):
+    def _alloc_outputs(self) -> cython.int:
         r, n = self.max_rows, self.max_tokens
         self.row_rid, self.row_kv_slot = np.zeros(r, np.int32), np.zeros(r, np.int32)
         self.row_loop, self.row_start, self.row_len = (
@@ -246,6 +143,7 @@ class LoopScheduler:
         )
         self.num_rows = self.num_step_tokens = self.num_cont_tokens = self.num_prop = self.num_events = 0
         self.num_preempted = self.num_refills = 0
+        return 0
 
     # ---- request lifecycle -------------------------------------------------
 
@@ -255,10 +153,10 @@ class LoopScheduler:
         rid: cython.int
         if n < 1 or cap_tokens <= n:
             raise ValueError("a request needs a non-empty prompt and room for at least one new token")
-        bs = self.bt.block_size
-        if (cap_tokens + bs - 1) // bs * self.num_loops > self.bt.num_blocks:
+        bs = self.bt._block_size
+        if (cap_tokens + bs - 1) // bs * self.num_loops > self.bt._num_blocks:
             raise ValueError(f"{cap_tokens} tokens need more KV blocks than the whole pool holds")
-        if cap_tokens > self.bt.max_blocks_per_seq * self.bt.block_size:
+        if cap_tokens > self.bt._max_blocks_per_seq * bs:
             raise ValueError(f"{cap_tokens} tokens exceed the per-request block table")
         if not 1 <= min_loops <= max_loops <= self.num_loops:
             raise ValueError(f"bad exit window: loops {min_loops}..{max_loops} of {self.num_loops}")
@@ -285,11 +183,13 @@ class LoopScheduler:
         self._wait_push(rid, False)
         return rid
 
+    @cython.initializedcheck(True)
     def hold(self, rid: int, held: bool) -> None:
         """While held, schedule() neither admits the request nor starts its rows: run-ahead decides
         at which launch its prompt starts (engine/riders.py), and releases it for that step."""
         self._held[rid] = 1 if held else 0
 
+    @cython.initializedcheck(True)
     def admit_now(self, rid: int) -> bool:
         """Admit the request at the head of the waiting queue without starting a row: a KV slot and
         blocks for its known tokens at every loop. False, changing nothing, if none are free."""
@@ -308,18 +208,10 @@ class LoopScheduler:
         return True
 
     def finish(self, rid: int) -> None:
-        """Drop a request wherever it is (finished by the engine, or aborted): frees its KV and rid."""
-        if rid < 0 or rid >= self.max_requests or self._status[rid] == FREE:
-            return
-        if self._status[rid] == WAITING:
-            self._wait_remove(rid)
-        else:
-            self._release_slot(rid, False)
-        self._status[rid] = FREE
-        self._tokens[rid] = None
-        self._depths[rid] = None
-        self._free_rids[self._num_free_rids] = rid
-        self._num_free_rids += 1
+        """Drop a request wherever it is (finished by the engine, or aborted): frees its KV and rid.
+        An unknown or already finished rid is ignored."""
+        if 0 <= rid < self.max_requests:
+            self._finish(rid)
 
     @property
     def num_running(self) -> int:
@@ -329,17 +221,21 @@ class LoopScheduler:
     def num_waiting(self) -> int:
         return self._num_waiting
 
+    @cython.initializedcheck(True)
     def status(self, rid: int) -> int:
         return self._status[rid]
 
+    @cython.initializedcheck(True)
     def kv_slot(self, rid: int) -> int:
         """The request's row in the block tables, -1 while it holds no KV."""
         return self._kv_slot[rid]
 
+    @cython.initializedcheck(True)
     def num_tokens(self, rid: int) -> int:
         """Known tokens of the request (prompt and outputs so far)."""
         return self._num_tokens[rid]
 
+    @cython.initializedcheck(True)
     def cap(self, rid: int) -> int:
         """The token count at which the request finishes (prompt + max new tokens)."""
         return self._cap[rid]
@@ -354,7 +250,21 @@ class LoopScheduler:
 
     # ---- internals ---------------------------------------------------------
 
-    @cython.cfunc
+    def _finish(self, rid: cython.int) -> cython.int:
+        """finish() of a rid in range."""
+        if self._status[rid] == FREE:
+            return 0
+        if self._status[rid] == WAITING:
+            self._wait_remove(rid)
+        else:
+            self._release_slot(rid, False)
+        self._status[rid] = FREE
+        self._tokens[rid] = None
+        self._depths[rid] = None
+        self._free_rids[self._num_free_rids] = rid
+        self._num_free_rids += 1
+        return 0
+
     def _wait_push(self, rid: cython.int, front: cython.bint) -> cython.void:
         cap: cython.int = self.max_requests
         if front:
@@ -365,7 +275,6 @@ class LoopScheduler:
         self._wait_count += 1
         self._num_waiting += 1
 
-    @cython.cfunc
     def _wait_remove(self, rid: cython.int) -> cython.void:
         """Take a request out of the waiting ring, keeping the others' order (aborts are rare)."""
         cap: cython.int = self.max_requests
@@ -380,8 +289,7 @@ class LoopScheduler:
         self._num_waiting -= self._wait_count - j
         self._wait_count = j
 
-    @cython.cfunc
-    def _release_slot(self, rid: cython.int, keep: cython.bint) -> cython.void:
+    def _release_slot(self, rid: cython.int, keep: cython.bint) -> cython.int:
         """Free the request's KV slot; keep: park a copy of its tokens (it will be recomputed)."""
         i: cython.int
         j: cython.int = 0
@@ -400,22 +308,21 @@ class LoopScheduler:
                 self._running[j] = self._running[i]
                 j += 1
         self._num_running = j
+        return 0
 
-    @cython.cfunc
-    def _preempt(self, rid: cython.int) -> cython.void:
+    def _preempt(self, rid: cython.int) -> cython.int:
         """Free a running request's KV and queue it first for recomputation."""
         self._release_slot(rid, True)
         self._num_done[rid] = 0
         self._status[rid] = WAITING
         self._wait_push(rid, True)
         self.num_preempted += 1
+        return 0
 
-    @cython.cfunc
     def _chunk_len(self, rid: cython.int, budget: cython.int) -> cython.int:
         left: cython.int = self._num_tokens[rid] - self._num_done[rid]
         return left if left < budget else budget
 
-    @cython.cfunc
     def _start_row(self, rid: cython.int, length: cython.int) -> cython.void:
         """A new loop-0 row over the request's next `length` uncomputed tokens."""
         i: cython.int
@@ -436,7 +343,6 @@ class LoopScheduler:
         self._row_depth[rid] = deepest
         self._row_live[rid] = live
 
-    @cython.cfunc
     def _emit_row(self, r: cython.int, rid: cython.int, off: cython.int, prev: cython.bint) -> cython.int:
         """Write row r's per-row and per-token outputs; returns the token count."""
         i: cython.int
@@ -447,7 +353,7 @@ class LoopScheduler:
         start: cython.int = self._row_start[rid]
         n: cython.int = self._row_len[rid]
         slot: cython.int = self._kv_slot[rid]
-        bs: cython.int = self._bs
+        bs: cython.int = cython.cast(cython.int, self.bt._block_size)
         self._o_rid[r] = rid
         self._o_slot[r] = slot
         self._o_loop[r] = loop
@@ -474,12 +380,11 @@ class LoopScheduler:
             if d != 0 and d <= loop:
                 self._o_map[off + i] = -1
             else:
-                blk = self._tables[slot, loop, pos // bs]
+                blk = self.bt._tables[slot, loop, pos // bs]
                 self._o_map[off + i] = cython.cast(cython.longlong, blk) * bs + pos % bs
         self._row_prev_off[rid] = off
         return n
 
-    @cython.cfunc
     def _admit(self, rid: cython.int) -> cython.void:
         """Give a waiting request a free KV slot (the caller checked there is one)."""
         slot: cython.int
@@ -495,8 +400,7 @@ class LoopScheduler:
         self._running[i] = rid
         self._num_running += 1
 
-    @cython.cfunc
-    def _load_slot(self, rid: cython.int) -> cython.void:
+    def _load_slot(self, rid: cython.int) -> cython.int:
         """Move an admitted request's tokens and depths into its slot's row (once per admission)."""
         slot: cython.int = self._kv_slot[rid]
         n: cython.int = self._num_tokens[rid]
@@ -506,6 +410,7 @@ class LoopScheduler:
         self._slot_dep_arr[slot, n:cap] = 0  # a generated token's depth is 0 until it exits
         self._tokens[rid] = self._slot_tok_arr[slot, :cap]
         self._depths[rid] = self._slot_dep_arr[slot, :cap]
+        return 0
 
     # ---- the step ------------------------------------------------------------
 
@@ -543,7 +448,6 @@ class LoopScheduler:
         self._emit_propagation()
         return r
 
-    @cython.cfunc
     def _start_running_rows(self, r: cython.int, prefill: cython.bint) -> cython.int:
         """New loop-0 rows for running requests without one: decode tokens, or (prefill) longer chunks."""
         k: cython.int = 0
@@ -565,7 +469,6 @@ class LoopScheduler:
         self._off = off
         return r
 
-    @cython.cfunc
     def _reserve(self, rid: cython.int, end: cython.int, index: cython.int) -> cython.bint:
         """Blocks for positions [0, end): True if done, False to wait.
 
@@ -576,8 +479,8 @@ class LoopScheduler:
         """
         k: cython.int
         victim: cython.int
-        if self._counts[self._kv_slot[rid]] * self._bs >= end:
-            return True  # already covered: the common decode case, without a Python-level call
+        if self.bt._counts[self._kv_slot[rid]] * self.bt._block_size >= end:
+            return True  # already covered: the common decode case, without a call
         while not self.bt.allocate(self._kv_slot[rid], end):
             victim = -1
             k = self._num_running - 1
@@ -592,7 +495,6 @@ class LoopScheduler:
             self._preempt(victim)
         return True
 
-    @cython.cfunc
     def _admit_waiting(self, r: cython.int) -> cython.int:
         """Admit waiting requests in order while rows, tokens, slots and blocks allow (no preemption)."""
         off: cython.int = self._off
@@ -617,17 +519,15 @@ class LoopScheduler:
         self._off = off
         return r
 
-    @cython.cfunc
     def _wait_pop(self) -> cython.void:
         self._wait_head = (self._wait_head + 1) % self.max_requests
         self._wait_count -= 1
 
-    @cython.cfunc
     def _emit_propagation(self) -> cython.void:
         """Turn pending exits into (src, dst) slot pairs, for requests that still hold their KV.
 
         Same pairs as BlockTable.fill_propagation (source in the exit loop's plane, one pair per
-        deeper loop, in order), computed here from the live tables without a Python-level call.
+        deeper loop, in order), computed here from the live tables without a call per pair.
         """
         i: cython.int
         j: cython.int
@@ -637,7 +537,8 @@ class LoopScheduler:
         pos: cython.int
         e: cython.int
         blk: cython.int
-        bs: cython.int = self._bs
+        at: cython.int
+        bs: cython.int = cython.cast(cython.int, self.bt._block_size)
         src: cython.longlong
         for i in range(self._num_pend):
             rid = self._pend_rid[i]
@@ -646,10 +547,11 @@ class LoopScheduler:
                 pos = self._pend_pos[i]
                 e = self._pend_loop[i]
                 blk = pos // bs
-                src = cython.cast(cython.longlong, self._tables[slot, e, blk]) * bs + pos % bs
+                at = pos % bs
+                src = cython.cast(cython.longlong, self.bt._tables[slot, e, blk]) * bs + at
                 for j in range(e + 1, self.num_loops):
                     self._o_psrc[n] = src
-                    self._o_pdst[n] = cython.cast(cython.longlong, self._tables[slot, j, blk]) * bs + pos % bs
+                    self._o_pdst[n] = cython.cast(cython.longlong, self.bt._tables[slot, j, blk]) * bs + at
                     n += 1
         self.num_prop = n
         self._num_pend = 0
@@ -681,7 +583,6 @@ class LoopScheduler:
         self.num_events = ev
         return ev
 
-    @cython.cfunc
     def _take_sample(self, rid: cython.int, token: cython.int) -> cython.int:
         """The live token exited: record its depth and append the sampled token. 1 if now finished."""
         loop: cython.int = self._row_loop[rid]
@@ -693,11 +594,10 @@ class LoopScheduler:
         self._stok[slot, self._num_tokens[rid]] = token
         self._num_tokens[rid] += 1
         if self._num_tokens[rid] >= self._cap[rid]:
-            self.finish(rid)
+            self._finish(rid)
             return 1
         return 0
 
-    @cython.cfunc
     def _advance_row(self, rid: cython.int) -> cython.void:
         """After a loop: queue propagation for tokens that stop here; end or continue the row."""
         i: cython.int

@@ -276,3 +276,9 @@ def test_compiled_module_is_really_compiled():
     compiled = importlib.import_module(MODULES[0])
     assert compiled.__file__.endswith((".so", ".pyd"))
     assert importlib.import_module(MODULES[1]).__file__.endswith(".py")
+
+
+def test_unused_block_constant_matches_the_twin():
+    """Compiled, UNUSED_BLOCK is a C constant (a cpdef enum) that stays a module attribute."""
+    compiled, twin = (importlib.import_module(m) for m in MODULES)
+    assert compiled.UNUSED_BLOCK == twin.UNUSED_BLOCK == -1 and type(compiled.UNUSED_BLOCK) is int

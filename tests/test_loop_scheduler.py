@@ -691,3 +691,17 @@ def test_admit_now_changes_nothing_without_a_slot_or_blocks(impl):
     assert s2.status(b) == WAITING and s2.kv_slot(b) == -1 and s2.num_waiting == 1 and s2.num_running == 1
     s2.finish(a)
     assert s2.admit_now(b) is True and s2.status(b) == RUNNING and s2.num_waiting == 0
+
+
+def test_module_constants_match_the_twin():
+    """Compiled, the states and NO_EXIT are C constants (a cpdef enum) that stay module attributes."""
+    for name, value in (("FREE", FREE), ("WAITING", WAITING), ("RUNNING", RUNNING), ("NO_EXIT", NO_EXIT)):
+        assert getattr(ls_c, name) == getattr(ls_py, name) == value
+        assert type(getattr(ls_c, name)) is int
+
+
+def test_compiled_scheduler_takes_only_the_compiled_block_table():
+    """It calls the block table through its C interface, so the twin's BlockTable is refused."""
+    with pytest.raises(TypeError):
+        ls_c.LoopScheduler(bt_py.BlockTable(8, 4, T, 2, 2), 2, 2, 16)
+    ls_py.LoopScheduler(bt_c.BlockTable(8, 4, T, 2, 2), 2, 2, 16)  # the twin duck-types
