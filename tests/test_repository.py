@@ -166,7 +166,8 @@ HISTORY = [
     re.compile(r"\bcall ?0\d\b", re.I),  # "call02"
     re.compile(r"\bissues? #?\d+", re.I),  # "issue 5", "issue #8"
     # "#8" as a reference to a tracker entry: "(#8)", "blocked on #8", "#8 is ..." at a line's start
-    re.compile(r"\(#\d+\)|\b(closes|fixes|resolves|see|on|by|in)\s+#\d+\b|^\s*[-*]?\s*\**#\d+\b", re.I | re.M),
+    re.compile(r"\(#\d+\)|\b(closes|fixes|resolves|see|on|by|in)\s+#\d+\b", re.I),
+    re.compile(r"^\s*[-*]?\s*\**#\d+\b", re.M),
     re.compile(r"\.\./shared\b"),  # paths outside the repository
     re.compile(r"\banchors\.md\b"),
     re.compile(r"(?<![\w.])/work/\w+"),  # this workplace's checkouts

@@ -14,8 +14,8 @@ from ouro_fast.core.ring import RequestRing
 from ouro_fast.engine.outputs import RequestOutput, StepStats
 from ouro_fast.engine.sampling import SamplingParams
 from ouro_fast.server import protocol, stream
-from ouro_fast.server.engine_client import EngineClient
 from ouro_fast.server.config import ConfigError, ServerConfig
+from ouro_fast.server.engine_client import EngineClient
 from ouro_fast.server.metrics import REJECT_REASONS, ServerMetrics
 from ouro_fast.server.owner import (
     ABORT,
@@ -108,7 +108,7 @@ def test_huge_integers_get_a_400_not_an_overflow():
         assert e.value.status == 400 and e.value.param == field and "-1000" in e.value.message
     chat = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 10**400}
     with pytest.raises(ApiError) as e:
-        protocol.parse_chat(chat, INFO, lambda m, g=True: "T")
+        protocol.parse_chat(chat, INFO, lambda *a, **k: "T")
     assert e.value.status == 400 and e.value.param == "top_logprobs"
 
 
@@ -118,11 +118,44 @@ def test_length_and_chat_limits():
     with pytest.raises(ApiError) as e:
         protocol.sampling_params(req, 9, INFO)  # 9 + 40 > 48
     assert e.value.status == 400 and e.value.param == "max_tokens"
-    chat = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}]}, INFO, lambda m, g=True: "T")
+    chat = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}]}, INFO, lambda *a, **k: "T")
     assert chat.prompt == "T" and chat.max_tokens is None
     assert protocol.sampling_params(chat, 10, INFO).max_tokens == 38  # the room the context leaves
     both = {"messages": [], "max_tokens": 5, "max_completion_tokens": 7}
-    assert protocol.parse_chat(both, INFO, lambda m, g=True: "T").max_tokens == 7
+    assert protocol.parse_chat(both, INFO, lambda *a, **k: "T").max_tokens == 7
+
+
+def test_chat_replies_stop_at_the_end_of_their_turn():
+    info = ModelInfo(names=("m",), root="/x", max_model_len=64, max_request_tokens=48, vocab_limit=100,
+                     num_loops=4, end_of_turn_ids=(2,))  # fmt: skip
+    chat = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [9]}, info,
+                               lambda *a, **k: "T")  # fmt: skip
+    assert protocol.sampling_params(chat, 10, info).stop_token_ids == [9, 2]
+    ignore = protocol.parse_chat({"messages": [], "ignore_eos": True}, info, lambda *a, **k: "T")
+    assert protocol.sampling_params(ignore, 10, info).stop_token_ids == []
+    completion = protocol.parse_completion({"prompt": "x"}, info)
+    assert protocol.sampling_params(completion, 10, info).stop_token_ids == []
+
+
+def test_chat_template_fields_reach_the_template():
+    seen = []
+    body = {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+    protocol.parse_chat(body, INFO, lambda m, add, cont, **kw: seen.append((add, cont, kw)) or "T")
+    assert seen == [(False, True, {"enable_thinking": True})]
+    for bad, param in (({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+                       ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):  # fmt: skip
+        with pytest.raises(ApiError) as e:
+            protocol.parse_chat({"messages": [], **bad}, INFO, lambda *a, **k: "T")
+        assert e.value.param == param
+
+
+def test_an_overlong_prompt_is_named_as_such():
+    chat = protocol.parse_chat({"messages": []}, INFO, lambda *a, **k: "T")
+    with pytest.raises(ApiError) as e:
+        protocol.sampling_params(chat, 60, INFO)  # no max_tokens: nothing is left for the reply
+    assert e.value.param == "messages" and "60 tokens" in e.value.message and "48 tokens" in e.value.message
+    assert "max_tokens" not in e.value.message
 
 
 def test_request_id_echo():

@@ -1,15 +1,15 @@
-"""The GPU time of one captured decode loop (run_loop_fused), without the engine: for A/B switches.
+"""The GPU time of one captured decode loop (run_loop_fused), without the engine.
 
 Builds the ouro-1.4b preset in memory (random bf16 weights; no checkpoint to write), a
 paged KV cache with every row at context ~`--context`, and times one loop over all
 layers captured in a CUDA graph (CUDA events over `--replays` replays) at each row
 count. `--prefill-tokens T ...` times a loop over a step that carries a prompt instead: `--prefill-lanes`
 decode rows and one `--prompt`-token prompt, padded to T tokens and 64 rows as the runner pads a riders'
-step (engine/gpu/riders.py), and the loop's cuBLAS matmuls alone at T rows. `--attn-config SPLITS:BLOCK_N[:WARPS]
-...` times the loop again with the decode attention's split count, tile width (and warps) forced
-(decode_config patched, in this process only). `--host-replay` adds each graph's host time a replay() call
-takes, the GPU idle and busy (replay_timing.host_replay_us). To compare two builds, run each in its
-own process and alternate them so that machine drift shows:
+step (engine/gpu/riders.py), and the loop's cuBLAS matmuls alone at T rows.
+`--attn-config SPLITS:BLOCK_N[:WARPS] ...` times the loop again with the decode attention's split count,
+tile width (and warps) forced (decode_config patched, in this process only). `--host-replay` adds each
+graph's host time a replay() call takes, the GPU idle and busy (replay_timing.host_replay_us).
+To compare two builds, run each in its own process and alternate them so that machine drift shows:
 
     python3 -P bench/gpu/step_bench.py --rows 1 2 8 --replays 300 --tag a
 

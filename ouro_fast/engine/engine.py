@@ -26,7 +26,7 @@ from ..model.config import OuroConfig
 from ..model.exit_rule import log_one_minus
 from ..model.ouro import OuroForCausalLM
 from ..model.tokenizer import OuroTokenizer
-from ..model.weights import load_config, load_weights
+from ..model.weights import load_config, load_generation_eos, load_weights
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .outputs import RequestOutput, StepStats
@@ -74,6 +74,10 @@ class Engine:
         self.model_config: OuroConfig = load_config(self.model_dir)
         self.num_loops = self.model_config.total_ut_steps
         self.tokenizer = OuroTokenizer.from_dir(self.model_dir)
+        # What ends a reply, as vLLM reads it: the tokenizer's eos, generation_config.json's eos ids, and
+        # config.json's where the checkpoint has no generation_config.json.
+        generation_eos = load_generation_eos(self.model_dir) or self.model_config.eos_token_ids
+        self.eos_ids = frozenset((self.tokenizer.eos_token_id, *generation_eos))
         self.model = self._load_model()
         self.vocab_limit = min(self.tokenizer.vocab_size, self.model_config.vocab_size)
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
@@ -171,7 +175,7 @@ class Engine:
         if q >= 1.0:
             lo = hi  # never exits early: no exit check (and no device sync) before the last loop
         cap = len(prompt_ids) + params.max_tokens
-        eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
+        eos = frozenset() if params.ignore_eos else self.eos_ids
         req = Request(request_id, -1, list(prompt_ids), params, eos | frozenset(params.stop_token_ids))
         req.exit_window = (lo - 1, hi - 1, log_one_minus(q))
         rid = self.scheduler.add(np.asarray(prompt_ids, dtype=np.int32), cap, lo, hi, req.exit_window[2])

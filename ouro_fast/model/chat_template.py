@@ -36,7 +36,9 @@ def _raise(message: str) -> None:
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # transformers' filter: JSON without HTML escaping.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
@@ -65,10 +67,12 @@ class ChatTemplate:
         path = Path(path)
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        specials = {
+            k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
         specials = {k: v for k, v in specials.items() if v is not None}
         if override is not None:
-            source = _override_text(override)
+            source = template_source(override)
         elif (path / "chat_template.jinja").is_file():
             source = (path / "chat_template.jinja").read_text(encoding="utf-8")
         else:
@@ -101,7 +105,9 @@ class ChatTemplate:
         if continue_final_message:
             final = messages[-1]["content"]
             if not final or final not in text:
-                raise ChatTemplateError("continue_final_message needs a final message whose text the template keeps")
+                raise ChatTemplateError(
+                    "continue_final_message needs a final message whose text the template keeps"
+                )
             text = text[: text.rindex(final) + len(final)]
         return text
 
@@ -135,7 +141,9 @@ def _normalize(i: int, message: object) -> dict:
     elif isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
                 raise ChatTemplateError(f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}")
             texts.append(part["text"])
         content = "".join(texts)
@@ -157,7 +165,8 @@ def _named_default(entry) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
-def _override_text(override: str) -> str:
+def template_source(override: str) -> str:
+    """The template text an override names: a file's content, or the override itself when it is a template."""
     path = Path(override)
     try:
         if len(override) < 4096 and path.is_file():

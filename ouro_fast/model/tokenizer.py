@@ -12,21 +12,22 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from .chat_template import CHATML, ChatTemplate
+
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 
 class OuroTokenizer:
-    """Byte-level BPE tokenizer with Ouro's special tokens and ChatML template.
+    """Byte-level BPE tokenizer with Ouro's special tokens and the checkpoint's chat template.
 
     Ids are those of tokenizer.json; `vocab_size` is the tokenizer's own count,
     which may be smaller than the model's vocab_size (the sampler masks the rest).
     """
 
-    def __init__(self, raw: Tokenizer, config: dict | None = None):
+    def __init__(self, raw: Tokenizer, config: dict | None = None, chat_template: ChatTemplate | None = None):
         self.raw = raw
         config = config or {}
         self.vocab_size: int = raw.get_vocab_size(with_added_tokens=True)
@@ -37,10 +38,12 @@ class OuroTokenizer:
         self.special_ids: frozenset[int] = frozenset(
             i for i, tok in raw.get_added_tokens_decoder().items() if tok.special
         )
+        self.chat_template = chat_template or ChatTemplate(CHATML)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> OuroTokenizer:
-        """Load tokenizer.json (and tokenizer_config.json when present) from a directory."""
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> OuroTokenizer:
+        """Load tokenizer.json (and tokenizer_config.json when present) from a directory, with the
+        directory's chat template or `chat_template` (a file's path or the template text)."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -48,7 +51,7 @@ class OuroTokenizer:
         raw = Tokenizer.from_file(str(tok_file))
         cfg_file = path / "tokenizer_config.json"
         config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
-        return cls(raw, config)
+        return cls(raw, config, ChatTemplate.from_dir(path, chat_template))
 
     @classmethod
     def default(cls) -> OuroTokenizer:
@@ -83,39 +86,20 @@ class OuroTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.raw.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """ChatML text: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message.
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs,
+    ) -> str:
+        """The conversation as prompt text, by the checkpoint's chat template (ChatTemplateError, a
+        ValueError, when the messages or the template are wrong). Content may be a str or a list of
+        OpenAI text parts ({"type": "text", "text": str})."""
+        return self.chat_template.render(messages, add_generation_prompt, continue_final_message, **kwargs)
 
-        With add_generation_prompt, `<|im_start|>assistant\\n` follows. Content may be
-        a str or a list of OpenAI text parts ({"type": "text", "text": str}).
-        """
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
-        parts = []
-        for i, message in enumerate(messages):
-            role, content = _check_message(i, message)
-            parts.append(f"{IM_START}{role}\n{content}{IM_END}\n")
-        if add_generation_prompt:
-            parts.append(f"{IM_START}assistant\n")
-        return "".join(parts)
-
-
-def _check_message(i: int, message: object) -> tuple[str, str]:
-    """(role, content text) of messages[i], or a ValueError saying what is wrong."""
-    if not isinstance(message, dict):
-        raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
-    role = message.get("role")
-    if not isinstance(role, str) or role not in CHAT_ROLES:
-        raise ValueError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
-    content = message.get("content")
-    if isinstance(content, str):
-        return role, content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            is_text = isinstance(part, dict) and part.get("type") == "text"
-            if not (is_text and isinstance(part.get("text"), str)):
-                raise ValueError(f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}")
-            texts.append(part["text"])
-        return role, "".join(texts)
-    raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The special token the chat template closes an assistant turn with (ChatML: <|im_end|>), as a
+        tuple of at most one id: chat replies stop there."""
+        ids = self.raw.encode(self.chat_template.end_of_turn(), add_special_tokens=False).ids
+        return (ids[0],) if ids and ids[0] in self.special_ids else ()

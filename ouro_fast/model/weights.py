@@ -56,6 +56,22 @@ def is_ignored_extra(name: str, cfg: OuroConfig) -> bool:
     return cfg.tie_word_embeddings and name == "lm_head.weight"
 
 
+def load_generation_eos(model_dir: str | Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an int or a list) as a tuple; () when the file or field is
+    absent. ConfigFileError when it is there but malformed."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ConfigFileError(f"{path}: cannot read it as a JSON object ({e})") from None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigFileError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
 def load_config(model_dir: str | Path) -> OuroConfig:
     """OuroConfig of model_dir/config.json; errors name the file."""
     path = Path(model_dir) / "config.json"

@@ -20,8 +20,8 @@ from sanic.exceptions import SanicException
 from sanic.response import HTTPResponse
 
 from . import generate, protocol
-from .engine_client import EngineClient
 from .config import ServerConfig
+from .engine_client import EngineClient
 from .protocol import ApiError
 
 logger = logging.getLogger("ouro_fast.server")

@@ -44,6 +44,7 @@ class ServerConfig:
     run_ahead_full_depth: bool = True  # ... also when no row can exit early (hides host work per step)
     run_ahead_depth: int = 1  # launches queued ahead of the one the host reads back (1..3)
     compile_threads: int | None = None  # start-up kernel compiles in parallel (None: the CPUs, at most 16)
+    chat_template: str | None = None  # a chat template file, or the template text; default: the checkpoint's
     api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
     max_body_bytes: int = 8 << 20
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
@@ -104,6 +105,13 @@ class ServerConfig:
             raise ConfigError(f"{env_name('ring_capacity')} must be in [2, 2**30], got {self.ring_capacity}")
         if self.runner not in ("auto", "torch", "triton"):
             raise ConfigError(f"{env_name('runner')} must be auto, torch or triton, got {self.runner!r}")
+        if self.chat_template is not None:
+            from ..model.chat_template import ChatTemplate, template_source
+
+            try:
+                ChatTemplate(template_source(self.chat_template))
+            except ValueError as e:
+                raise ConfigError(f"{env_name('chat_template')}: {e}") from None
         if self.compile_threads is not None and self.compile_threads < 1:
             raise ConfigError(f"{env_name('compile_threads')} must be >= 1, got {self.compile_threads}")
         switch = self.gil_switch_ms

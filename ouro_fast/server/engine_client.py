@@ -77,6 +77,7 @@ class EngineClient:
             post=self._post_threadsafe,
             on_ready=self._ready_threadsafe,
             faults=parse_faults(config.test_faults),
+            chat_template=config.chat_template,
         )
 
     def start(self, launch_epoch: float) -> None:
@@ -119,6 +120,7 @@ class EngineClient:
             max_request_tokens=info.max_request_tokens,
             vocab_limit=info.vocab_limit,
             num_loops=info.num_loops,
+            end_of_turn_ids=info.tokenizer.end_of_turn_ids(),
         )
         self.tokenizer = info.tokenizer
         if self.state == "loading":

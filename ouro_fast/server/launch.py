@@ -26,6 +26,7 @@ _HELP = {
     "stream_buffer": "engine steps of output a client may leave unread before its request is aborted",
     "shutdown_grace": "seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted",
     "max_body_bytes": "largest request body accepted (413 beyond)",
+    "chat_template": "a chat template file, or the Jinja template itself (default: the checkpoint's)",
 }
 
 

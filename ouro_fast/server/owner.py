@@ -111,8 +111,10 @@ class EngineOwner:
         post: Callable[[list, EngineSnapshot], None],
         on_ready: Callable[[ReadyInfo | None, str | None], None],
         faults: dict[int, int] | None = None,
+        chat_template: str | None = None,
     ):
         self.engine_options = engine_options
+        self.chat_template = chat_template  # the server's override, else the checkpoint's
         self.ring = ring
         self.payloads = payloads
         self.post = post
@@ -198,7 +200,7 @@ class EngineOwner:
             vocab_limit=min(eng.tokenizer.vocab_size, eng.model_config.vocab_size),
             num_kv_blocks=eng.scheduler.num_blocks, load_seconds=load,
             warmup_seconds=time.monotonic() - t0 - load,
-            tokenizer=OuroTokenizer.from_dir(eng.model_dir),
+            tokenizer=OuroTokenizer.from_dir(eng.model_dir, self.chat_template),
         )  # fmt: skip
 
     def _drain(self) -> list:

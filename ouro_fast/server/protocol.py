@@ -72,6 +72,9 @@ class ModelInfo:
     max_request_tokens: int  # prompt + max_tokens limit of one request
     vocab_limit: int  # token ids must be below this
     num_loops: int
+    end_of_turn_ids: tuple[
+        int, ...
+    ] = ()  # what closes an assistant turn in the chat template: chat stops there
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -170,6 +173,7 @@ _COMMON = {
 }  # fmt: skip
 _COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | set(_NEUTRAL_COMPLETION)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL) | set(_NEUTRAL_CHAT)
+_CHAT_FIELDS |= {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 
 
 def _is_neutral(x: object, allowed: tuple) -> bool:
@@ -311,8 +315,18 @@ def parse_chat(body: dict, info: ModelInfo, template: Callable[..., str]) -> Gen
     messages = body.get("messages")
     if messages is None:
         raise bad("messages", "messages is required")
+    add = _bool(body, "add_generation_prompt")
+    cont = bool(_bool(body, "continue_final_message"))
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", f"chat_template_kwargs must be an object, got {_show(kwargs)}")
+    taken = sorted(set(kwargs) & {"messages", "add_generation_prompt", "continue_final_message"})
+    if taken:
+        raise bad("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(taken)}")
+    if add is None:
+        add = not cont  # continuing the last message means no new assistant turn
     try:
-        prompt = template(messages)
+        prompt = template(messages, add, cont, **kwargs)
     except ValueError as e:
         raise bad("messages", str(e)) from None
     stream, include_usage = _stream(body)
@@ -330,17 +344,29 @@ def sampling_params(req: GenerateRequest, prompt_len: int, info: ModelInfo):
     """The engine's SamplingParams for req, its prompt being prompt_len tokens; 400 if it cannot fit."""
     from ..engine.sampling import SamplingParams  # here, so Sanic's main process never imports torch
 
+    where = "prompt" if not req.chat else "messages"
     if prompt_len < 1:
-        raise bad("prompt" if not req.chat else "messages", "the prompt is empty")
+        raise bad(where, "the prompt is empty")
     room = info.max_request_tokens - prompt_len
+    if room < 1:
+        raise bad(
+            where,
+            f"the prompt is {prompt_len} tokens, which leaves no room to generate in the "
+            f"{info.max_request_tokens} tokens one request may hold (max_model_len {info.max_model_len})",
+        )
     max_tokens = room if req.max_tokens is None else req.max_tokens
-    if max_tokens > room or room < 1:
+    if max_tokens > room:
         raise bad(
             "max_tokens",
             f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
             f"{info.max_request_tokens} tokens one request may hold (max_model_len {info.max_model_len})",
         )
-    params = SamplingParams(max_tokens=max_tokens, **req.options)
+    options = req.options
+    if req.chat and info.end_of_turn_ids and not options.get("ignore_eos"):
+        # A chat reply ends with its turn, whatever generation_config.json lists.
+        stops = list(options.get("stop_token_ids", ()))
+        options = {**options, "stop_token_ids": stops + [t for t in info.end_of_turn_ids if t not in stops]}
+    params = SamplingParams(max_tokens=max_tokens, **options)
     try:
         params.validate(info.num_loops)
     except ValueError as e:
