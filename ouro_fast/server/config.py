@@ -43,6 +43,7 @@ class ServerConfig:
     run_ahead: bool = True  # triton runner: decode-only batches launch before their exits are read
     run_ahead_full_depth: bool = True  # ... also when no row can exit early (hides host work per step)
     run_ahead_depth: int = 1  # launches queued ahead of the one the host reads back (1..3)
+    cpu_threads: int | None = 1  # torch threads on a CPU device (0: torch's default); 1 leaves a core to HTTP
     compile_threads: int | None = None  # start-up kernel compiles in parallel (None: the CPUs, at most 16)
     chat_template: str | None = None  # a chat template file, or the template text; default: the checkpoint's
     api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
@@ -76,7 +77,7 @@ class ServerConfig:
             "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
             "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
             "cuda_graphs", "refill", "run_ahead", "run_ahead_full_depth",
-            "run_ahead_depth", "compile_threads",
+            "run_ahead_depth", "compile_threads", "cpu_threads",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
