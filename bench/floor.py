@@ -1,0 +1,89 @@
+"""The floor model: the least time a workload can take on a GPU, from the bytes it must read and the FLOPs
+it must do.
+
+Per decode step (one loop over every row): the layer weights once, each row's K/V of its loop plane, and
+the matmul and attention arithmetic; a step takes at least max(bytes / bandwidth, FLOPs / matmul rate).
+A generated token takes `depth` such steps (4 at full depth, ~2.4 at exit_threshold 0.5) and one lm_head
+row; its prompt's prefill (every loop, every token) is arithmetic that the decode batch's weight stream
+can carry, so it adds FLOPs, not weight bytes. The H200's figures are measured ones: 4,221 GB/s read and
+789 TFLOP/s of bf16 matmul.
+
+    python -m bench.floor                                # the serving matrix's workloads, full depth
+    python -m bench.floor --depth 2.4                     # with early exit's mean depth
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+HBM_BYTES_PER_S = 4.221e12
+MATMUL_FLOPS_PER_S = 789e12
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The Ouro-1.4B shape (bf16)."""
+
+    layers: int = 24
+    hidden: int = 2048
+    intermediate: int = 5632
+    kv_heads: int = 16
+    head_dim: int = 128
+    vocab: int = 49152
+    loops: int = 4
+    elem: int = 2  # bytes per bf16 value
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one loop (all layers): q, k, v, o and the gated MLP."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        return self.layers * (2 * h * h + 2 * h * kv + 3 * h * self.intermediate)
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """K and V of one position in one loop plane, every layer."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.elem
+
+
+def step_floor(shape: Shape, rows: int, context: float) -> float:
+    """Seconds of one decode loop over `rows` one-token rows whose planes hold `context` positions."""
+    weight = shape.layer_params * shape.elem
+    kv = rows * context * shape.kv_bytes_per_position
+    flops = 2 * rows * shape.layer_params + 4 * rows * context * shape.hidden * shape.layers
+    return max((weight + kv) / HBM_BYTES_PER_S, flops / MATMUL_FLOPS_PER_S)
+
+
+def token_floor(shape: Shape, concurrency: int, prompt: int, output: int, depth: float) -> float:
+    """Seconds per round in which each of `concurrency` requests gains one token, at steady state."""
+    context = prompt + output / 2  # the mean context over a request's output
+    lm_head = max(shape.vocab * shape.hidden * shape.elem / HBM_BYTES_PER_S,
+                  2 * concurrency * shape.vocab * shape.hidden / MATMUL_FLOPS_PER_S)  # fmt: skip
+    prefill = concurrency * 2 * prompt * shape.loops * shape.layer_params / output / MATMUL_FLOPS_PER_S
+    return depth * step_floor(shape, concurrency, context) + lm_head + prefill
+
+
+def floor_tok_s(shape: Shape, concurrency: int, prompt: int, output: int, depth: float) -> float:
+    """The most output tokens a second a workload can reach."""
+    return concurrency / token_floor(shape, concurrency, prompt, output, depth)
+
+
+def main() -> None:
+    from bench.matrix import WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--depth", type=float, default=4.0, help="mean loops a generated token runs")
+    args = p.parse_args()
+    shape = Shape()
+    print(f"one loop's weights {shape.layer_params * shape.elem / 1e9:.2f} GB; depth {args.depth}")
+    print("| workload | step floor | ms per token round | floor tok/s |")
+    print("|---|---|---|---|")
+    for w in WORKLOADS:
+        step = step_floor(shape, w.concurrency, w.input_len + w.output_len / 2)
+        rnd = token_floor(shape, w.concurrency, w.input_len, w.output_len, args.depth)
+        tok_s = floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, args.depth)
+        print(f"| {w.name} | {step * 1e3:.3f} ms | {rnd * 1e3:.3f} | {tok_s:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()

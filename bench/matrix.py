@@ -1,0 +1,163 @@
+"""The serving matrix: every load the project is compared with vLLM at, by the unmodified vLLM client.
+
+`run` drives one OpenAI-compatible server (ouro_fast, or vLLM serving the same shape) through every
+workload with vLLM's own `vllm bench serve` code (imported once, called per workload: the client's
+start-up is paid once), and saves each result JSON. `report` reads the runs of several servers and writes
+the summary table: output tokens/s, TTFT and TPOT, the ratio to the vLLM run measured on the same machine,
+and each result as a fraction of its floor (bench/floor.py).
+
+    # in the client's environment (vLLM 0.33.0 importable), against a running server:
+    python -m bench.matrix run --base-url http://127.0.0.1:8000 --model M --tokenizer DIR --label ouro-full \\
+        --out bench/results/matrix
+    python -m bench.matrix run ... --label ouro-t05 --extra-body '{"exit_threshold": 0.5}'
+    python -m bench.matrix report bench/results/matrix --baseline vllm-full --depth ouro-t05=2.4
+
+bench/gpu/matrix.sh runs the whole procedure on the H200, vLLM included (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    input_len: int
+    output_len: int
+    concurrency: int
+    prompts: int
+
+
+WORKLOADS = (
+    Workload("c1-128-64", 128, 64, 1, 32),
+    Workload("c8-128-64", 128, 64, 8, 64),
+    Workload("c32-128-64", 128, 64, 32, 256),
+    Workload("c64-128-64", 128, 64, 64, 384),
+    Workload("c128-128-64", 128, 64, 128, 512),
+    Workload("c8-1024-128", 1024, 128, 8, 48),
+    Workload("c32-1024-128", 1024, 128, 32, 128),
+    Workload("c8-3800-256", 3800, 256, 8, 24),
+)
+KEYS = ("completed", "failed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+        "p99_tpot_ms", "median_itl_ms", "total_output_tokens")  # fmt: skip
+
+
+def client_args(w: Workload, a: argparse.Namespace, out: Path, warmup: bool = False) -> list[str]:
+    """`vllm bench serve` arguments for workload w against the server a.base_url."""
+    args = [
+        "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", a.base_url, "--model", a.model,
+        "--tokenizer", a.tokenizer, "--dataset-name", "random", "--random-input-len", str(w.input_len),
+        "--random-output-len", str(w.output_len), "--ignore-eos", "--temperature", "0", "--seed", "0",
+        "--request-rate", "inf", "--max-concurrency", str(w.concurrency),
+        "--num-prompts", str(min(w.prompts, 2 * w.concurrency) if warmup else w.prompts),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+    ]  # fmt: skip
+    if a.trust_remote_code:
+        args.append("--trust-remote-code")
+    if a.extra_body:
+        args += ["--extra-body", a.extra_body]
+    if not warmup:
+        args += ["--save-result", "--result-dir", str(out), "--result-filename", f"{a.label}.{w.name}.json"]
+    return args
+
+
+def run(a: argparse.Namespace) -> None:
+    # vLLM's own client code, unmodified: its argument parser and main(), called once per workload.
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = [w for w in WORKLOADS if not a.workloads or w.name in a.workloads]
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    warmed = set()
+    for w in chosen:
+        if (
+            w.input_len not in warmed
+        ):  # one warm-up per prompt length: the server's first shapes compile or capture
+            serve.main(parser.parse_args(client_args(w, a, out, warmup=True)))
+            warmed.add(w.input_len)
+        t = time.perf_counter()
+        result = serve.main(parser.parse_args(client_args(w, a, out)))
+        row = {k: result.get(k) for k in KEYS}
+        print(json.dumps({"label": a.label, "workload": w.name, "seconds": round(time.perf_counter() - t, 1),
+                          **row}), flush=True)  # fmt: skip
+
+
+def _load(folder: Path) -> dict[tuple[str, str], dict]:
+    runs = {}
+    for f in sorted(folder.glob("*.json")):
+        label, _, name = f.stem.partition(".")
+        if name in {w.name for w in WORKLOADS}:
+            runs[(label, name)] = json.loads(f.read_text())
+    return runs
+
+
+def report(a: argparse.Namespace) -> None:
+    from bench.floor import Shape, floor_tok_s
+
+    folder = Path(a.folder)
+    runs = _load(folder)
+    labels = sorted({label for label, _ in runs}, key=lambda s: (s != a.baseline, s))
+    depths = dict(x.split("=") for x in a.depth)
+    shape = Shape()
+    lines = [
+        f"Machine: {a.machine}. Client: vllm bench serve, random dataset, seed 0, --ignore-eos; ratios are to "
+        f"`{a.baseline}` measured in the same run. Floor: bench/floor.py at the mean depth given per label.",
+        "",
+        "| workload | server | out tok/s | ratio | TTFT p50 | TPOT p50 | TPOT p99 | of floor | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w in WORKLOADS:
+        base = runs.get((a.baseline, w.name), {}).get("output_throughput")
+        for label in labels:
+            r = runs.get((label, w.name))
+            if r is None:
+                continue
+            tput = r.get("output_throughput") or 0.0
+            ratio = f"{tput / base:.2f}" if base else "-"
+            depth = float(depths.get(label, shape.loops))
+            floor = floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, depth)
+            lines.append(
+                f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {r.get('median_ttft_ms', 0):.1f} ms | "
+                f"{r.get('median_tpot_ms', 0):.2f} ms | {r.get('p99_tpot_ms', 0):.2f} ms | {tput / floor:.0%} | "
+                f"{r.get('failed', '-')} |"
+            )
+    text = "\n".join(lines) + "\n"
+    (folder / "summary.md").write_text(text)
+    print(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="drive one server through the workloads")
+    r.add_argument("--base-url", required=True)
+    r.add_argument("--model", required=True, help="the served model name")
+    r.add_argument(
+        "--tokenizer", required=True, help="tokenizer directory: the same for every server compared"
+    )
+    r.add_argument("--label", required=True, help="names this server's results, e.g. ouro-full or vllm-full")
+    r.add_argument("--extra-body", help="JSON merged into every request, e.g. '{\"exit_threshold\": 0.5}'")
+    r.add_argument("--workloads", nargs="*", help="a subset of the workload names")
+    r.add_argument("--trust-remote-code", action="store_true")
+    r.add_argument("--out", default=f"bench/results/matrix-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    r.set_defaults(func=run)
+    s = sub.add_parser("report", help="the summary table of a results folder")
+    s.add_argument("folder")
+    s.add_argument("--baseline", default="vllm-full", help="the label every ratio is taken against")
+    s.add_argument("--depth", nargs="*", default=[], metavar="LABEL=LOOPS", help="mean depth for the floor")
+    s.add_argument("--machine", default="one NVIDIA H200")
+    s.set_defaults(func=report)
+    args = p.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

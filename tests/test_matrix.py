@@ -1,0 +1,111 @@
+"""The serving matrix's driver and report, and the floor model they measure against (no server needed)."""
+
+import json
+import sys
+import types
+from argparse import ArgumentParser
+
+import pytest
+
+from bench import matrix
+from bench.floor import Shape, floor_tok_s, step_floor, token_floor
+
+
+def test_floor_model_matches_the_h200_arithmetic():
+    s = Shape()
+    assert s.layer_params * s.elem == pytest.approx(2.466e9, rel=1e-3)  # one loop's weights
+    assert s.kv_bytes_per_position == 196_608
+    # One stream at full depth: four weight passes and the lm_head, ~2.4 ms a token.
+    assert token_floor(s, 1, 128, 64, 4.0) == pytest.approx(2.41e-3, rel=0.02)
+    # Early exit's depth shortens the round; long contexts add K/V reads; a wide batch becomes compute-bound.
+    assert token_floor(s, 1, 128, 64, 2.4) < 0.65 * token_floor(s, 1, 128, 64, 4.0)
+    assert step_floor(s, 8, 3900) > 1.2 * step_floor(s, 8, 160)
+    assert floor_tok_s(s, 128, 128, 64, 4.0) < 128 / (4 * step_floor(s, 1, 160))
+
+
+def fake_vllm(monkeypatch, calls):
+    """A stand-in for vLLM's client modules: records each call's arguments, returns a result."""
+
+    def add_cli_args(parser):
+        for flag in ("--backend", "--endpoint", "--base-url", "--model", "--tokenizer", "--dataset-name",
+                     "--random-input-len", "--random-output-len", "--temperature", "--seed", "--request-rate",
+                     "--max-concurrency", "--num-prompts", "--percentile-metrics", "--metric-percentiles",
+                     "--extra-body", "--result-dir", "--result-filename"):  # fmt: skip
+            parser.add_argument(flag)
+        for flag in ("--ignore-eos", "--save-result", "--trust-remote-code"):
+            parser.add_argument(flag, action="store_true")
+
+    def main(args):
+        calls.append(args)
+        return {"completed": int(args.num_prompts), "failed": 0, "output_throughput": 100.0}
+
+    serve = types.SimpleNamespace(add_cli_args=add_cli_args, main=main)
+    utils = types.SimpleNamespace(FlexibleArgumentParser=ArgumentParser)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(benchmarks=None))
+    monkeypatch.setitem(sys.modules, "vllm.benchmarks", types.SimpleNamespace(serve=serve))
+    monkeypatch.setitem(sys.modules, "vllm.benchmarks.serve", serve)
+    monkeypatch.setitem(sys.modules, "vllm.utils", types.SimpleNamespace(argparse_utils=utils))
+    monkeypatch.setitem(sys.modules, "vllm.utils.argparse_utils", utils)
+
+
+def test_run_warms_up_once_per_prompt_length_and_runs_every_workload(monkeypatch, tmp_path, capsys):
+    calls = []
+    fake_vllm(monkeypatch, calls)
+    argv = ["matrix", "run", "--base-url", "http://h:1", "--model", "m", "--tokenizer", "t", "--label", "ouro-t05",
+            "--extra-body", '{"exit_threshold": 0.5}', "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    matrix.main()
+    runs = [a for a in calls if a.save_result]
+    warmups = [a for a in calls if not a.save_result]
+    assert [int(a.max_concurrency) for a in runs] == [w.concurrency for w in matrix.WORKLOADS]
+    assert [int(a.num_prompts) for a in runs] == [w.prompts for w in matrix.WORKLOADS]
+    assert sorted(int(a.random_input_len) for a in warmups) == [128, 1024, 3800]
+    assert {a.result_filename for a in runs} == {f"ouro-t05.{w.name}.json" for w in matrix.WORKLOADS}
+    assert all(a.extra_body == '{"exit_threshold": 0.5}' and a.ignore_eos and a.seed == "0" for a in calls)
+    assert len(capsys.readouterr().out.strip().splitlines()) == len(matrix.WORKLOADS)
+
+
+def test_report_takes_ratios_against_the_baseline_and_fractions_of_the_floor(tmp_path, monkeypatch):
+    for label, tput in (("vllm-full", 1000.0), ("ouro-full", 1500.0)):
+        (tmp_path / f"{label}.c8-128-64.json").write_text(
+            json.dumps(
+                {
+                    "output_throughput": tput,
+                    "median_ttft_ms": 20.0,
+                    "median_tpot_ms": 4.0,
+                    "p99_tpot_ms": 5.0,
+                    "failed": 0,
+                }
+            )  # fmt: skip
+        )
+    (tmp_path / "notes.json").write_text("{}")  # not a run: ignored
+    monkeypatch.setattr(sys, "argv", ["matrix", "report", str(tmp_path)])
+    matrix.main()
+    rows = [r for r in (tmp_path / "summary.md").read_text().splitlines() if r.startswith("| c8-128-64")]
+    assert len(rows) == 2
+    ouro = next(r for r in rows if "ouro-full" in r)
+    assert "| 1,500 | 1.50 |" in ouro
+    floor = floor_tok_s(Shape(), 8, 128, 64, 4.0)
+    assert f"{1500 / floor:.0%}" in ouro
+
+
+def test_vllm_model_dir_has_ouros_shape_and_our_tokenizer(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(matrix.__file__).parent / "vllm" / "model_dir.py"
+    spec = importlib.util.spec_from_file_location("model_dir", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from ouro_fast.model.checkpoints import PRESETS
+    from ouro_fast.model.tokenizer import ASSETS_DIR
+
+    mod.write(tmp_path, ASSETS_DIR)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    ouro = PRESETS["ouro-1.4b"]
+    assert cfg["model_type"] == "ouro" and cfg["architectures"] == ["OuroForCausalLM"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                "total_ut_steps", "rope_theta"):  # fmt: skip
+        assert cfg[key] == getattr(ouro, key), key
+    assert (tmp_path / "tokenizer.json").read_bytes() == (ASSETS_DIR / "tokenizer.json").read_bytes()
+    compile((tmp_path / "configuration_ouro.py").read_text(), "configuration_ouro.py", "exec")
