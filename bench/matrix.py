@@ -78,9 +78,8 @@ def run(a: argparse.Namespace) -> None:
     serve.add_cli_args(parser)
     warmed = set()
     for w in chosen:
-        if (
-            w.input_len not in warmed
-        ):  # one warm-up per prompt length: the server's first shapes compile or capture
+        # One warm-up per prompt length: the server's first steps of each shape are not measured.
+        if w.input_len not in warmed:
             serve.main(parser.parse_args(client_args(w, a, out, warmup=True)))
             warmed.add(w.input_len)
         t = time.perf_counter()
@@ -108,8 +107,8 @@ def report(a: argparse.Namespace) -> None:
     depths = dict(x.split("=") for x in a.depth)
     shape = Shape()
     lines = [
-        f"Machine: {a.machine}. Client: vllm bench serve, random dataset, seed 0, --ignore-eos; ratios are to "
-        f"`{a.baseline}` measured in the same run. Floor: bench/floor.py at the mean depth given per label.",
+        f"Machine: {a.machine}. Client: vllm bench serve, random dataset, seed 0, --ignore-eos; ratios "
+        f"are to `{a.baseline}` measured in the same run. Floor: bench/floor.py at the mean depth given per label.",
         "",
         "| workload | server | out tok/s | ratio | TTFT p50 | TPOT p50 | TPOT p99 | of floor | failed |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -124,10 +123,10 @@ def report(a: argparse.Namespace) -> None:
             ratio = f"{tput / base:.2f}" if base else "-"
             depth = float(depths.get(label, shape.loops))
             floor = floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, depth)
+            ttft, tpot, p99 = (r.get(k, 0) for k in ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
             lines.append(
-                f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {r.get('median_ttft_ms', 0):.1f} ms | "
-                f"{r.get('median_tpot_ms', 0):.2f} ms | {r.get('p99_tpot_ms', 0):.2f} ms | {tput / floor:.0%} | "
-                f"{r.get('failed', '-')} |"
+                f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {ttft:.1f} ms | {tpot:.2f} ms | {p99:.2f} ms | "
+                f"{tput / floor:.0%} | {r.get('failed', '-')} |"
             )
     text = "\n".join(lines) + "\n"
     (folder / "summary.md").write_text(text)

@@ -52,8 +52,8 @@ class OuroConfig(PretrainedConfig):
     def __init__(self, vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                  num_attention_heads=16, num_key_value_heads=16, head_dim=128, hidden_act="silu",
                  max_position_embeddings=65536, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
-                 tie_word_embeddings=False, use_sliding_window=False, sliding_window=None, max_window_layers=24,
-                 total_ut_steps=4, early_exit_threshold=1.0, attention_dropout=0.0, initializer_range=0.02,
+                 tie_word_embeddings=False, use_sliding_window=False, sliding_window=None,
+                 max_window_layers=24, total_ut_steps=4, early_exit_threshold=1.0, attention_dropout=0.0, initializer_range=0.02,
                  use_cache=True, layer_types=None, rope_parameters=None, **kwargs):
         for name, value in list(locals().items()):
             if name not in ("self", "kwargs", "__class__"):
