@@ -108,7 +108,7 @@ def report(a: argparse.Namespace) -> None:
     shape = Shape()
     lines = [
         f"Machine: {a.machine}. Client: vllm bench serve, random dataset, seed 0, --ignore-eos; ratios "
-        f"are to `{a.baseline}` measured in the same run. Floor: bench/floor.py at the mean depth given per label.",
+        f"are to `{a.baseline}` measured in the same run. Floor: bench/floor.py at each label's mean depth.",
         "",
         "| workload | server | out tok/s | ratio | TTFT p50 | TPOT p50 | TPOT p99 | of floor | failed |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -125,8 +125,8 @@ def report(a: argparse.Namespace) -> None:
             floor = floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, depth)
             ttft, tpot, p99 = (r.get(k, 0) for k in ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
             lines.append(
-                f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {ttft:.1f} ms | {tpot:.2f} ms | {p99:.2f} ms | "
-                f"{tput / floor:.0%} | {r.get('failed', '-')} |"
+                f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {ttft:.1f} ms | {tpot:.2f} ms | "
+                f"{p99:.2f} ms | {tput / floor:.0%} | {r.get('failed', '-')} |"
             )
     text = "\n".join(lines) + "\n"
     (folder / "summary.md").write_text(text)

@@ -51,8 +51,9 @@ def fake_vllm(monkeypatch, calls):
 def test_run_warms_up_once_per_prompt_length_and_runs_every_workload(monkeypatch, tmp_path, capsys):
     calls = []
     fake_vllm(monkeypatch, calls)
+    body = '{"exit_threshold": 0.5}'
     argv = ["matrix", "run", "--base-url", "http://h:1", "--model", "m", "--tokenizer", "t",
-            "--label", "ouro-t05", "--extra-body", '{"exit_threshold": 0.5}', "--out", str(tmp_path)]  # fmt: skip
+            "--label", "ouro-t05", "--extra-body", body, "--out", str(tmp_path)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     matrix.main()
     runs = [a for a in calls if a.save_result]

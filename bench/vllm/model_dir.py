@@ -53,8 +53,8 @@ class OuroConfig(PretrainedConfig):
                  num_attention_heads=16, num_key_value_heads=16, head_dim=128, hidden_act="silu",
                  max_position_embeddings=65536, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
                  tie_word_embeddings=False, use_sliding_window=False, sliding_window=None,
-                 max_window_layers=24, total_ut_steps=4, early_exit_threshold=1.0, attention_dropout=0.0, initializer_range=0.02,
-                 use_cache=True, layer_types=None, rope_parameters=None, **kwargs):
+                 max_window_layers=24, total_ut_steps=4, early_exit_threshold=1.0, attention_dropout=0.0,
+                 initializer_range=0.02, use_cache=True, layer_types=None, rope_parameters=None, **kwargs):
         for name, value in list(locals().items()):
             if name not in ("self", "kwargs", "__class__"):
                 setattr(self, name, value)
