@@ -260,10 +260,46 @@ def test_step_statistics(model_dir):
 
 def test_llm_facade(model_dir):
     llm = LLM(model_dir, device="cpu")
-    outs = llm.generate(
-        ["Hello, world", [1, 2, 3]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = llm.generate(["Hello, world", [1, 2, 3], {"prompt_token_ids": [4, 5]}], sampling_params=params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    first = outs[0].outputs[0]
+    assert outs[0].prompt == "Hello, world"
+    assert outs[0].prompt_token_ids == llm.engine.tokenizer.encode("Hello, world")
+    assert first.text == llm.engine.tokenizer.decode(first.token_ids)
+    assert outs[1].prompt is None and outs[1].prompt_token_ids == [1, 2, 3]
+    assert outs[2].prompt_token_ids == [4, 5] and len(outs[1].outputs[0].exit_loops) == 6
+    # The same call one at a time gives the same tokens (greedy).
+    assert llm.generate([1, 2, 3], params)[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_llm_a_refused_request_leaves_the_next_call_working(model_dir):
+    llm = LLM(model_dir, device="cpu")
+    ok = SamplingParams(max_tokens=3, temperature=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate(["a", "b"], [ok, SamplingParams(max_tokens=0)])
+    assert not llm.engine.has_unfinished_requests()  # the first request left with the error
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(["a", "b"], ok)] == [3, 3]
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(["a", "b"], [ok])
+
+
+def test_llm_chat_uses_the_template_and_stops_at_the_end_of_turn(model_dir):
+    llm = LLM(model_dir, device="cpu")
+    tok = llm.engine.tokenizer
+    conversation = [{"role": "user", "content": "Hi"}]
+    (out,) = llm.chat(conversation, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert out.prompt == tok.apply_chat_template(conversation)
+    assert out.prompt_token_ids == tok.encode(out.prompt)
+    # The template's end-of-turn token (ChatML: <|im_end|>) joins a chat request's stop ids.
+    seen, add = [], llm.engine.add_request
+    llm.engine.add_request = lambda key, ids, p: seen.append(p.stop_token_ids) or add(key, ids, p)
+    llm.chat(conversation, SamplingParams(max_tokens=2, temperature=0, stop_token_ids=[7]))
+    llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0))
+    assert seen == [[7, tok.token_to_id("<|im_end|>")], []]
+    llm.engine.add_request = add
+    outs = llm.chat(
+        [conversation, conversation], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     )
-    assert [len(o.token_ids) for o in outs] == [6, 6]
-    assert all(o.finish_reason == "length" for o in outs)
-    assert outs[0].text == llm.engine.tokenizer.decode(outs[0].token_ids)
-    assert len(outs[1].exit_loops) == 6
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]

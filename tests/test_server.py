@@ -51,7 +51,8 @@ def sdk(server):
 def offline(llm: LLM, prompt, **params) -> tuple[str, int, str]:
     """(text, completion tokens, finish reason) from the offline engine."""
     (c,) = llm.generate([prompt], SamplingParams(**params))
-    return c.text, len(c.token_ids), c.finish_reason
+    out = c.outputs[0]
+    return out.text, len(out.token_ids), out.finish_reason
 
 
 def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from ouro_fast.core.ring import RequestRing
-from ouro_fast.engine.outputs import RequestOutput, StepStats
+from ouro_fast.engine.outputs import StepOutput, StepStats
 from ouro_fast.engine.sampling import SamplingParams
 from ouro_fast.server import protocol, stream
 from ouro_fast.server.config import ConfigError, ServerConfig
@@ -212,8 +212,8 @@ def make_client(**config) -> EngineClient:
     return client
 
 
-def output(rid: str, ids: list[int], finish: str | None = None) -> RequestOutput:
-    return RequestOutput(rid, ids, "t" * len(ids), finish is not None, finish, 3, len(ids), [3] * len(ids))
+def output(rid: str, ids: list[int], finish: str | None = None) -> StepOutput:
+    return StepOutput(rid, ids, "t" * len(ids), finish is not None, finish, 3, len(ids), [3] * len(ids))
 
 
 def test_admission_bounds_and_ring_full():
@@ -309,12 +309,12 @@ class FakeEngine:
         if self.step_fails:
             raise RuntimeError("boom")
         self.stats.steps += 1
-        return [RequestOutput(rid, [7], "x", False, None, n, 1, [3]) for rid, n in self.requests.items()]
+        return [StepOutput(rid, [7], "x", False, None, n, 1, [3]) for rid, n in self.requests.items()]
 
     def abort_all(self, reason, error):
         if self.abort_all_fails:
             raise RuntimeError("stuck")
-        outs = [RequestOutput(rid, [], "", True, reason, n, 0, [], error) for rid, n in self.requests.items()]
+        outs = [StepOutput(rid, [], "", True, reason, n, 0, [], error) for rid, n in self.requests.items()]
         self.requests.clear()
         return outs
 

@@ -29,7 +29,7 @@ from ..model.tokenizer import OuroTokenizer
 from ..model.weights import load_config, load_generation_eos, load_weights
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .outputs import RequestOutput, StepStats
+from .outputs import StepOutput, StepStats
 from .plan import StepPlan, StepResult, TokenEvents
 from .reference_runner import ReferenceRunner
 from .sampling import SamplingParams
@@ -43,7 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @dataclass
 class Request:
-    """One request as the engine tracks it; the finished one rides on its last RequestOutput."""
+    """One request as the engine tracks it; the finished one rides on its last StepOutput."""
 
     request_id: str
     rid: int
@@ -87,7 +87,7 @@ class Engine:
         self.detok = IncrementalDetokenizer(self.tokenizer.raw)
         self.requests: dict[str, Request] = {}
         self.by_rid: dict[int, Request] = {}
-        self.pending: list[RequestOutput] = []  # finals of aborts, returned by the next step()
+        self.pending: list[StepOutput] = []  # finals of aborts, returned by the next step()
         self.ahead = self._build_run_ahead()
         self.stats = StepStats(num_loops=self.num_loops)
         self.load_seconds = time.monotonic() - t0
@@ -214,7 +214,7 @@ class Engine:
         if req is not None:
             self.pending.append(self._finish(req, "abort"))
 
-    def abort_all(self, reason: str = "abort", error: str | None = None) -> list[RequestOutput]:
+    def abort_all(self, reason: str = "abort", error: str | None = None) -> list[StepOutput]:
         """End every request (engine failure or shutdown); returns their final outputs."""
         outs = [self._finish(req, reason, error) for req in list(self.requests.values())]
         outs, self.pending = self.pending + outs, []
@@ -235,7 +235,7 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         """Run one loop for every scheduled row; return the outputs of requests with news."""
         outputs, self.pending = self.pending, []
         ahead = self.ahead
@@ -265,7 +265,7 @@ class Engine:
         self.stats.record(plan, events, self.scheduler, host_s + t1 - t0, model_s, time.perf_counter() - t1)
         return outputs
 
-    def _outputs(self, events: TokenEvents, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+    def _outputs(self, events: TokenEvents, plan: StepPlan, result: StepResult) -> list[StepOutput]:
         new: dict[int, list[int]] = {}
         finished: dict[int, str] = {}
         now = time.monotonic()
@@ -304,7 +304,7 @@ class Engine:
 
     def _finish(
         self, req: Request, reason: str, error: str | None = None, delta: str = "", new_ids=()
-    ) -> RequestOutput:
+    ) -> StepOutput:
         self.scheduler.finish(req.rid)  # no-op when the scheduler already freed it (length cap)
         delta += self.detok.finish(req.rid)
         if reason == "length" and self.detok.stopped(req.rid):
@@ -317,7 +317,7 @@ class Engine:
 
     @staticmethod
     def _output(req: Request, delta: str, new_ids: list[int], reason: str | None, error: str | None = None):
-        return RequestOutput(
+        return StepOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
             text_delta=delta,

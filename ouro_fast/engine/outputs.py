@@ -9,7 +9,7 @@ import numpy as np
 
 
 @dataclass
-class RequestOutput:
+class StepOutput:
     """News of one request from one step. `text_delta` concatenated over a request is its text."""
 
     request_id: str

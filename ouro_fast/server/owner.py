@@ -310,6 +310,6 @@ class EngineOwner:
 
 
 def _error_final(rid: str, prompt_tokens: int, error: str):
-    from ..engine.outputs import RequestOutput
+    from ..engine.outputs import StepOutput
 
-    return RequestOutput(rid, [], "", True, "error", prompt_tokens, 0, [], error)
+    return StepOutput(rid, [], "", True, "error", prompt_tokens, 0, [], error)
