@@ -303,3 +303,48 @@ def test_llm_chat_uses_the_template_and_stops_at_the_end_of_turn(model_dir):
         [conversation, conversation], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     )
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+
+
+def test_a_failing_step_loses_no_final(model_dir):
+    """Finals queued before a step (aborts) or made inside it survive the step's failure: abort_all()
+    hands every request exactly one final, and the engine serves the next request."""
+    engine = Engine(EngineConfig(model=model_dir, device="cpu"))
+    for key in "abc":
+        engine.add_request(key, [3, 4, 5], greedy(1.0, n=30))
+    for _ in range(6):
+        engine.step()
+    engine.abort_request("a")
+    engine.abort_request("b")
+    execute = engine.runner.execute
+    engine.runner.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("injected"))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    finals = [o for o in engine.abort_all("error", "the step failed") if o.finished]
+    assert sorted((o.request_id, o.finish_reason) for o in finals) == [
+        ("a", "abort"),
+        ("b", "abort"),
+        ("c", "error"),
+    ]
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
+    engine.runner.execute = execute
+    assert run(engine, [[6, 7]], greedy(1.0, n=3))[0].output_ids  # still serving
+
+
+def test_outputs_made_inside_a_failing_step_are_not_lost(model_dir):
+    engine = Engine(EngineConfig(model=model_dir, device="cpu"))
+    engine.add_request("a", [3, 4, 5], greedy(1.0, n=1))
+    engine.add_request("b", [3, 4, 5, 6], greedy(1.0, n=20))
+    apply = engine._apply
+
+    def apply_then_fail(*args):
+        apply(*args)  # the step's outputs are queued (a's final among them), then the step fails
+        if any(o.finished for o in engine.pending):
+            raise RuntimeError("injected after apply")
+
+    engine._apply = apply_then_fail
+    with pytest.raises(RuntimeError, match="injected after apply"):
+        for _ in range(20):
+            engine.step()
+    finals = {o.request_id: o.finish_reason for o in engine.abort_all("error") if o.finished}
+    assert finals == {"a": "length", "b": "error"}

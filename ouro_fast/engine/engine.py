@@ -87,7 +87,9 @@ class Engine:
         self.detok = IncrementalDetokenizer(self.tokenizer.raw)
         self.requests: dict[str, Request] = {}
         self.by_rid: dict[int, Request] = {}
-        self.pending: list[StepOutput] = []  # finals of aborts, returned by the next step()
+        self.pending: list[
+            StepOutput
+        ] = []  # outputs not handed out yet: the next step() or abort_all() returns them
         self.ahead = self._build_run_ahead()
         self.stats = StepStats(num_loops=self.num_loops)
         self.load_seconds = time.monotonic() - t0
@@ -236,34 +238,39 @@ class Engine:
     # ---- the step --------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Run one loop for every scheduled row; return the outputs of requests with news."""
+        """Run one loop for every scheduled row; return the outputs of requests with news.
+
+        Every output is queued in `pending` as soon as it exists, and handed out only when the step
+        returns: if the step raises, nothing is lost, and abort_all() returns them with the others."""
+        self._advance()
         outputs, self.pending = self.pending, []
+        return outputs
+
+    def _advance(self) -> None:
         ahead = self.ahead
         t0 = time.perf_counter()
         if ahead is not None and ahead.active:
-            news, plan = ahead.step(self._apply)
-            outputs += news
+            plan = ahead.step(self._apply)
             if plan is None:
-                return outputs  # the device still drives the batch, or nothing is left to run
+                return  # the device still drives the batch, or nothing is left to run
         else:
             plan = self.scheduler.schedule()
             if plan is None:
-                return outputs
+                return
             if ahead is not None and ahead.eligible(plan) and ahead.start(plan):
-                news, _ = ahead.step(self._apply)
-                return outputs + news
+                ahead.step(self._apply)
+                return
         t1 = time.perf_counter()
         result = self.runner.execute(plan)
-        return outputs + self._apply(plan, result, t1 - t0, time.perf_counter() - t1)
+        self._apply(plan, result, t1 - t0, time.perf_counter() - t1)
 
-    def _apply(self, plan: StepPlan, result: StepResult, host_s: float, model_s: float) -> list:
+    def _apply(self, plan: StepPlan, result: StepResult, host_s: float, model_s: float) -> None:
         """The scheduler takes a step's result; new tokens become outputs (stop conditions, text)."""
         t0 = time.perf_counter()
         events = self.scheduler.update(result)
         t1 = time.perf_counter()
-        outputs = self._outputs(events, plan, result)
+        self.pending += self._outputs(events, plan, result)
         self.stats.record(plan, events, self.scheduler, host_s + t1 - t0, model_s, time.perf_counter() - t1)
-        return outputs
 
     def _outputs(self, events: TokenEvents, plan: StepPlan, result: StepResult) -> list[StepOutput]:
         new: dict[int, list[int]] = {}

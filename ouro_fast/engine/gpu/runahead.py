@@ -34,8 +34,8 @@ from .lanes import MAX_STOP_IDS, RING
 from .riders import Seating, rider_rows
 from .runner import GpuRunner
 
-# The engine's step application: (plan, result, host seconds so far, device seconds) -> request outputs.
-Apply = Callable[[StepPlan, StepResult, float, float], list]
+# The engine's step application: (plan, result, host seconds so far, device seconds); it queues the outputs.
+Apply = Callable[[StepPlan, StepResult, float, float], None]
 
 
 class RunAhead(Seating):
@@ -144,16 +144,16 @@ class RunAhead(Seating):
     # ---- one engine step ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, apply: Apply) -> tuple[list, StepPlan | None]:
+    def step(self, apply: Apply) -> StepPlan | None:
         """Launch the next step (unless winding down), then replay the oldest launch in flight, handing
         its result to `apply`. An arrival rides from the next launch on, or the host catches up and
-        schedules it. Returns the outputs and, when the run ended with a schedule that the host path
-        must execute, that plan."""
+        schedules it. Returns, when the run ended with a schedule that the host path must execute,
+        that plan."""
         if self.arrivals and not self._seat_arrivals():
-            outputs = self.catch_up(apply)  # before the release: the replayed schedules must not admit it
+            self.catch_up(apply)  # before the release: the replayed schedules must not admit it
             self.catch_ups += 1
             self._release_arrivals()
-            return outputs, self._join()
+            return self._join()
         live = self._live()
         # Wind down once no live lane can exit early: the host path then never waits either.
         going = (live & (self.lane_early | self.full_depth)).any() or bool(self.riders)
@@ -162,19 +162,17 @@ class RunAhead(Seating):
             if not self._reserve(in_flight=self.launched - self.replayed + 1):
                 break
             self._launch(live)
-        outputs = self._replay(apply)
+        self._replay(apply)
         if self.replayed == self.launched:
             self._finish()
-        return outputs, None
+        return None
 
     @torch.inference_mode()
-    def catch_up(self, apply: Apply) -> list:
+    def catch_up(self, apply: Apply) -> None:
         """Replay every launch in flight (before a new request reaches the scheduler, whose
         replayed schedules must not admit it); the lanes stay on the device."""
-        outputs = []
         while self.replayed < self.launched:
-            outputs += self._replay(apply)
-        return outputs
+            self._replay(apply)
 
     def _launch(self, live: np.ndarray) -> None:
         """The next launch: the lanes alone, or with the riders that have loops left."""
@@ -220,7 +218,7 @@ class RunAhead(Seating):
         self._changed_slots = np.array(changed, np.int64)
         return True
 
-    def _replay(self, apply: Apply) -> list:
+    def _replay(self, apply: Apply) -> None:
         """Hand the oldest unreplayed launch to the scheduler and the engine, as a host step would."""
         s = self.core
         t0 = time.perf_counter()
@@ -236,7 +234,7 @@ class RunAhead(Seating):
         self.replayed += 1
         plan = self.plan
         if plan is None:
-            return []
+            return
         lanes = self.lane_of[plan.rid]
         ok = (lanes >= 0).all() and plan.num_preempted == 0
         # Rows other than plain decode rows are prompts riding in their lanes at this launch.
@@ -246,7 +244,7 @@ class RunAhead(Seating):
         exited = rec[lanes, 1].astype(np.uint8)
         sampled = rec[lanes, 2].astype(np.int32)
         self.exit_launches += bool(exited.any())
-        return apply(plan, StepResult(exited, sampled), t1 - t0, t2 - t1)
+        apply(plan, StepResult(exited, sampled), t1 - t0, t2 - t1)
 
     def reset(self) -> None:
         """Forget the lanes without replaying (every request was ended: failure or shutdown)."""
