@@ -18,10 +18,11 @@ exec > >(tee -a "$OUT/matrix.log") 2>&1
 STORE=/tmp/vllm-store
 RES=/tmp/matrix
 CKPT=/tmp/matrix-ckpt
+TOKENIZER=${TOKENIZER:-$CKPT/tokenizer}  # ouro_fast's tokenizer, as the client loads it
 mkdir -p "$STORE" "$RES"
 client() {  # the bundle's vLLM client, beside the server wheels
   PYTHONPATH="$STORE/site:/tmp/site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-    python3 -m bench.matrix run --out "$RES" --tokenizer "$CKPT/tokenizer" ${WORKLOADS:+--workloads $WORKLOADS} "$@"
+    python3 -m bench.matrix run --out "$RES" --tokenizer "$TOKENIZER" ${WORKLOADS:+--workloads $WORKLOADS} "$@"
 }
 wait_ready() {  # $1 url, $2 pid, $3 seconds
   for _ in $(seq "$3"); do
@@ -52,7 +53,8 @@ case "${STAGE:?STAGE=part, ouro or vllm}" in
     kill -INT $pid; wait $pid
     ;;
   vllm)
-    python3 bench/vllm/model_dir.py /tmp/vllm-ouro --tokenizer "$CKPT"
+    python3 bench/vllm/model_dir.py /tmp/vllm-ouro  # ouro_fast's shipped tokenizer, as the checkpoint holds it
+    [ -d "$TOKENIZER" ] || TOKENIZER=/tmp/vllm-ouro  # before any STAGE=ouro: the same files, loaded by vLLM's own config
     export PYTHONPATH="$STORE/site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
       VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0
     python3 -m vllm.entrypoints.cli.main serve /tmp/vllm-ouro --served-model-name ouro --trust-remote-code \
