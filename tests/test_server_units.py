@@ -402,3 +402,34 @@ def test_error_handler_counts_refusals_before_submission_once():
     assert run("/tokenize", ApiError(400, "bad")) == 400  # not a generation request
     rejected = {r: sample(metrics, "ouro_fast:requests_rejected_total", reason=r) for r in REJECT_REASONS}
     assert rejected == {**dict.fromkeys(REJECT_REASONS, 0), "invalid": 2}
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing():
+    info = ModelInfo(names=("m",), root="/x", max_model_len=64, max_request_tokens=48, vocab_limit=100,
+                     num_loops=4, max_prompt_chars=48 * 5)  # fmt: skip
+
+    class NoTokenizer:
+        def encode(self, text):
+            raise AssertionError("tokenized")
+
+    async def scenario():
+        client = make_client()
+        client.info, client.tokenizer = info, NoTokenizer()
+        with pytest.raises(ApiError) as e:
+            await client.encode("x" * (48 * 5 + 1))
+        assert e.value.status == 400 and e.value.param == "prompt" and "241 characters" in e.value.message
+        with pytest.raises(ApiError) as e:  # chat: the messages' text, before the template renders it
+            body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 300}]}]}
+            protocol.parse_chat(body, info, lambda *a, **k: pytest.fail("rendered"))
+        assert e.value.param == "messages"
+
+    asyncio.run(scenario())
+
+
+def test_the_character_bound_holds_for_the_shipped_tokenizer():
+    from ouro_fast.model.tokenizer import OuroTokenizer
+
+    tok = OuroTokenizer.default()
+    bound = tok.max_token_chars()
+    for text in ("hello world " * 50, "<|endoftext|>" * 20, "é漢字 " * 40, "a" * 999):
+        assert len(tok.encode(text)) >= len(text) / bound  # so chars > tokens * bound means too many tokens

@@ -68,6 +68,12 @@ class OuroTokenizer:
             raise ValueError(f"cannot find the {what} ({name!r} or {ENDOFTEXT!r}) in the tokenizer")
         return token_id
 
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token covers: a text of n characters has at least
+        n / max_token_chars() tokens, a bound that needs no tokenizing."""
+        vocab = self.raw.get_vocab(with_added_tokens=True)
+        return max((len(t.encode("utf-8")) for t in vocab), default=1)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of text; no BOS is added; special-token text becomes the special token."""
         if not isinstance(text, str):

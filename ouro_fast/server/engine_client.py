@@ -15,6 +15,7 @@ import time
 from collections import deque
 
 from ..core.ring import RequestRing
+from . import protocol
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .owner import ABORT, ABORT_ALL, SUBMIT, EngineOwner, EngineSnapshot, ReadyInfo, Rejected, parse_faults
@@ -121,6 +122,7 @@ class EngineClient:
             vocab_limit=info.vocab_limit,
             num_loops=info.num_loops,
             end_of_turn_ids=info.tokenizer.end_of_turn_ids(),
+            max_prompt_chars=info.max_request_tokens * info.tokenizer.max_token_chars(),
         )
         self.tokenizer = info.tokenizer
         if self.state == "loading":
@@ -136,8 +138,10 @@ class EngineClient:
 
     # ---- requests -----------------------------------------------------------------
 
-    async def encode(self, text: str) -> list[int]:
-        """Token ids of a request's text; ApiError 400 for text that is not valid Unicode."""
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of a request's text; ApiError 400 for text that is not valid Unicode, or too long to fit
+        a request (decided before tokenizing, so a huge prompt costs the event loop nothing)."""
+        protocol.check_prompt_chars(len(text), self.require_ready(), param)
         try:
             if len(text) <= _INLINE_TOKENIZE_CHARS:
                 return self.tokenizer.encode(text)

@@ -21,7 +21,8 @@ from .protocol import ApiError, GenerateRequest
 
 async def serve(request, client: EngineClient, req: GenerateRequest) -> HTTPResponse | None:
     info = client.require_ready()
-    prompt_ids = req.prompt if isinstance(req.prompt, list) else await client.encode(req.prompt)
+    where = "messages" if req.chat else "prompt"
+    prompt_ids = req.prompt if isinstance(req.prompt, list) else await client.encode(req.prompt, where)
     params = protocol.sampling_params(req, len(prompt_ids), info)
     rid = protocol.request_id(request.headers.get("x-request-id"), req.chat)
     request.ctx.submitted = True  # from here on, a refusal is the engine's, counted by the client

@@ -72,9 +72,10 @@ class ModelInfo:
     max_request_tokens: int  # prompt + max_tokens limit of one request
     vocab_limit: int  # token ids must be below this
     num_loops: int
-    end_of_turn_ids: tuple[
-        int, ...
-    ] = ()  # what closes an assistant turn in the chat template: chat stops there
+    # What closes an assistant turn in the chat template: chat replies stop there.
+    end_of_turn_ids: tuple[int, ...] = ()
+    # Text longer than this cannot fit max_request_tokens, whatever it holds.
+    max_prompt_chars: int = 1 << 62
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -315,6 +316,7 @@ def parse_chat(body: dict, info: ModelInfo, template: Callable[..., str]) -> Gen
     messages = body.get("messages")
     if messages is None:
         raise bad("messages", "messages is required")
+    _check_chat_size(messages, info)
     add = _bool(body, "add_generation_prompt")
     cont = bool(_bool(body, "continue_final_message"))
     kwargs = body.get("chat_template_kwargs") or {}
@@ -338,6 +340,29 @@ def parse_chat(body: dict, info: ModelInfo, template: Callable[..., str]) -> Gen
         max_tokens=max_completion if max_completion is not None else max_tokens,
         stream=stream, include_usage=include_usage,
     )  # fmt: skip
+
+
+def check_prompt_chars(chars: int, info: ModelInfo, param: str) -> None:
+    """400 for text too long to fit one request, decided from its length alone (no tokenizing)."""
+    if chars > info.max_prompt_chars:
+        raise bad(
+            param,
+            f"the {param} is {chars} characters, more than the {info.max_prompt_chars} that the "
+            f"{info.max_request_tokens} tokens one request may hold can cover "
+            f"(max_model_len {info.max_model_len})",
+        )
+
+
+def _check_chat_size(messages: object, info: ModelInfo) -> None:
+    if isinstance(messages, list):
+        chars = 0
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            parts = content if isinstance(content, list) else [content]
+            for part in parts:
+                text = part.get("text") if isinstance(part, dict) else part
+                chars += len(text) if isinstance(text, str) else 0
+        check_prompt_chars(chars, info, "messages")
 
 
 def sampling_params(req: GenerateRequest, prompt_len: int, info: ModelInfo):
