@@ -72,6 +72,9 @@ def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
 
 def test_health_models_and_tokenize(server, llm):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    import ouro_fast
+
+    assert httpx.get(server.url + "/version").json() == {"version": ouro_fast.__version__}
     models = httpx.get(server.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == list(NAMES)
     entry = models["data"][0]

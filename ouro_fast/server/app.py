@@ -164,6 +164,13 @@ async def detokenize(request: Request) -> HTTPResponse:
     return generate.json_response({"prompt": client.tokenizer.decode(ids, skip_special_tokens=False)})
 
 
+@app.get("/version")
+async def version(request: Request) -> HTTPResponse:
+    from .. import __version__
+
+    return generate.json_response({"version": __version__})
+
+
 @app.get("/health")
 async def health(request: Request) -> HTTPResponse:
     client = _client(request)
