@@ -23,7 +23,9 @@ def test_bad_configuration_exits_2(tmp_path, capsys):
         for args, env, message in (
             (["--model", str(tmp_path)], {}, "not a checkpoint directory"),
             ([], {"OURO_FAST_MAX_NUM_SEQS": "many"}, "OURO_FAST_MAX_NUM_SEQS"),
-            (["--shutdown-grace", "-1"], {}, "OURO_FAST_SHUTDOWN_GRACE"),
+            (["--shutdown-grace", "-1"], {}, "--shutdown-grace must be >= 0"),  # the flag given is named
+            (["--dtype", "foo"], {}, "--dtype must be one of auto"),
+            (["--device", "gpu"], {}, "--device must be auto, cpu, cuda or cuda:N"),
         ):
             os.environ.update(env)
             assert cli.main(["serve", *args]) == 2

@@ -125,6 +125,19 @@ def test_length_and_chat_limits():
     assert protocol.parse_chat(both, INFO, lambda *a, **k: "T").max_tokens == 7
 
 
+def test_every_option_has_help_and_a_metavar():
+    import argparse
+
+    from ouro_fast.server.launch import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    options = [a for a in parser._actions if a.option_strings and a.dest not in ("help", "access_log")]
+    assert len(options) >= 30
+    for action in options:
+        assert action.help and action.metavar and action.metavar != "VALUE", action.dest
+
+
 def test_chat_replies_stop_at_the_end_of_their_turn():
     info = ModelInfo(names=("m",), root="/x", max_model_len=64, max_request_tokens=48, vocab_limit=100,
                      num_loops=4, end_of_turn_ids=(2,))  # fmt: skip

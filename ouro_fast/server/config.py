@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -106,6 +107,14 @@ class ServerConfig:
             raise ConfigError(f"{env_name('ring_capacity')} must be in [2, 2**30], got {self.ring_capacity}")
         if self.runner not in ("auto", "torch", "triton"):
             raise ConfigError(f"{env_name('runner')} must be auto, torch or triton, got {self.runner!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"{env_name('dtype')} must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"{env_name('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ConfigError(
+                f"{env_name('log_level')} must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
+            )
         if self.chat_template is not None:
             from ..model.chat_template import ChatTemplate, template_source
 
@@ -132,6 +141,41 @@ def listen_address(environ: Mapping[str, str] | None = None) -> tuple[str, int]:
         return environ.get(env_name("host"), "").strip() or "127.0.0.1", int(port or 8000)
     except ValueError:
         raise ConfigError(f"{env_name('port')}={port!r} is not a valid int") from None
+
+
+# Help text of every option (the `ouro-fast serve` flag and its OURO_FAST_* variable).
+OPTION_HELP = {
+    "model": "checkpoint directory (default: the embedded tiny model with random weights)",
+    "served_model_name": "comma-separated names clients may use as 'model' (default: --model as given)",
+    "dtype": "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
+    "device": "auto, cpu, cuda or cuda:N",
+    "max_num_seqs": "requests holding KV at once: rows per engine step",
+    "max_num_batched_tokens": "tokens per engine step, prompt chunks included",
+    "max_waiting": "requests admitted beyond --max-num-seqs; more get 429",
+    "max_model_len": "context length limit (default: the checkpoint's max_position_embeddings)",
+    "block_size": "positions per KV block",
+    "kv_cache_bytes": "KV pool size in bytes (default: 256 MiB on CPU, 85%% of free GPU memory)",
+    "num_kv_blocks": "KV pool size in blocks (overrides --kv-cache-bytes)",
+    "seed": "the sampler's seed for unseeded requests",
+    "runner": "auto (triton on CUDA, else torch), torch (the reference) or triton (kernels + CUDA graphs)",
+    "cuda_graphs": "capture every step shape as a CUDA graph at start-up (triton runner)",
+    "refill": "start new rows at every loop boundary; false drains a batch to its slowest row",
+    "run_ahead": "let the device drive decode-only batches ahead of the host (triton runner)",
+    "run_ahead_full_depth": "run ahead also when no row can exit early",
+    "run_ahead_depth": "launches queued ahead of the one the host reads back (1..3)",
+    "cpu_threads": "torch threads on a CPU device (0: torch's default); 1 leaves a core to HTTP",
+    "compile_threads": "threads compiling kernels at start-up (default: the CPUs, at most 16)",
+    "chat_template": "a chat template file, or the Jinja template itself (default: the checkpoint's)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize",
+    "max_body_bytes": "largest request body accepted (413 beyond)",
+    "stream_buffer": "engine steps of output a client may leave unread before its request is aborted",
+    "ring_capacity": "records in the submission ring (rounded up to a power of two)",
+    "shutdown_grace": "seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted",
+    "response_timeout": "seconds a queued request may wait with no byte sent (Sanic's RESPONSE_TIMEOUT)",
+    "log_level": "level of the ouro_fast loggers: DEBUG, INFO, WARNING or ERROR",
+    "gil_switch_ms": "the worker's sys.setswitchinterval in ms (default: Python's 5 ms)",
+}
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 _BOOLS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)

@@ -13,44 +13,51 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, ServerConfig, env_name, listen_address
+from .config import OPTION_HELP, ConfigError, ServerConfig, env_name, listen_address
 
 # Settings that are not command-line options: test_faults is test-only, set by environment.
 _NOT_OPTIONS = frozenset({"test_faults"})
-_HELP = {
-    "gil_switch_ms": "the worker's sys.setswitchinterval in ms (default: Python's 5 ms)",
-    "model": "checkpoint directory (default: the embedded tiny model with random weights)",
-    "served_model_name": "comma-separated names clients may use as 'model' (default: --model as given)",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize",
-    "max_waiting": "requests admitted beyond --max-num-seqs; more get 429",
-    "stream_buffer": "engine steps of output a client may leave unread before its request is aborted",
-    "shutdown_grace": "seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted",
-    "max_body_bytes": "largest request body accepted (413 beyond)",
-    "chat_template": "a chat template file, or the Jinja template itself (default: the checkpoint's)",
-}
+
+
+def _metavar(f: dataclasses.Field) -> str:
+    kind = str(f.type)
+    if "bool" in kind:
+        return "BOOL"
+    if f.name in ("model", "chat_template"):
+        return "PATH" if f.name == "model" else "TEMPLATE"
+    if "int" in kind:
+        return "N"
+    if "float" in kind:
+        return "SECONDS" if f.name in ("shutdown_grace", "response_timeout") else "X"
+    return "NAME" if f.name != "api_key" else "KEY"
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Add the serve options to parser and make `serve` its command."""
     host, port = listen_address()
     parser.add_argument(
-        "--host", default=host, help="address to listen on; env OURO_FAST_HOST, default 127.0.0.1"
+        "--host",
+        default=host,
+        metavar="ADDRESS",
+        help="address to listen on; env OURO_FAST_HOST, default 127.0.0.1",
     )
     parser.add_argument(
-        "--port", type=int, default=port, help="port to listen on; env OURO_FAST_PORT, default 8000"
+        "--port",
+        type=int,
+        default=port,
+        metavar="N",
+        help="port to listen on; env OURO_FAST_PORT, default 8000",
     )
     parser.add_argument("--access-log", action="store_true", help="log every request")
     for f in dataclasses.fields(ServerConfig):
         if f.name in _NOT_OPTIONS:
             continue
-        default = f.default if f.default not in ((), None) else None
-        help_text = _HELP.get(f.name, "")
-        help_text += f"{'; ' if help_text else ''}env {env_name(f.name)}" + (
-            f", default {default}" if default else ""
-        )
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, default=None, metavar="VALUE", help=help_text
-        )
+        default = f.default if f.default not in ((), None, "") else None
+        help_text = OPTION_HELP[f.name] + f"; env {env_name(f.name)}"
+        if default is not None:
+            help_text += f", default {default}"
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, dest=f.name, default=None, metavar=_metavar(f), help=help_text)
     parser.set_defaults(func=serve)
 
 
@@ -63,7 +70,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig.from_env()
     except ConfigError as e:
-        print(f"ouro-fast serve: {e}", file=sys.stderr)
+        print(f"ouro-fast serve: {_name_flags(str(e), args)}", file=sys.stderr)
         return 2
     if config.model is not None and not (Path(config.model) / "config.json").is_file():
         print(
@@ -75,3 +82,11 @@ def serve(args: argparse.Namespace) -> int:
     app.run(host=args.host, port=args.port, single_process=True, access_log=args.access_log, motd=False)
     client = getattr(app.ctx, "client", None)
     return 1 if client is not None and client.state == "failed" else 0
+
+
+def _name_flags(message: str, args: argparse.Namespace) -> str:
+    """The message with each option given on the command line named by its flag, not its variable."""
+    for f in dataclasses.fields(ServerConfig):
+        if getattr(args, f.name, None) is not None:
+            message = message.replace(env_name(f.name), "--" + f.name.replace("_", "-"))
+    return message
