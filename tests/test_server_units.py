@@ -429,8 +429,9 @@ def test_a_huge_prompt_is_refused_before_tokenizing():
         client = make_client()
         client.info, client.tokenizer = info, NoTokenizer()
         with pytest.raises(ApiError) as e:
-            await client.encode("x" * (48 * 5 + 1))
+            protocol.check_prompt_chars(48 * 5 + 1, info, "prompt")
         assert e.value.status == 400 and e.value.param == "prompt" and "241 characters" in e.value.message
+        protocol.check_prompt_chars(48 * 5, info, "prompt")  # at the bound: tokenized
         with pytest.raises(ApiError) as e:  # chat: the messages' text, before the template renders it
             body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 300}]}]}
             protocol.parse_chat(body, info, lambda *a, **k: pytest.fail("rendered"))

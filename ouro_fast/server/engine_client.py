@@ -15,7 +15,6 @@ import time
 from collections import deque
 
 from ..core.ring import RequestRing
-from . import protocol
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .owner import ABORT, ABORT_ALL, SUBMIT, EngineOwner, EngineSnapshot, ReadyInfo, Rejected, parse_faults
@@ -138,10 +137,8 @@ class EngineClient:
 
     # ---- requests -----------------------------------------------------------------
 
-    async def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """Token ids of a request's text; ApiError 400 for text that is not valid Unicode, or too long to fit
-        a request (decided before tokenizing, so a huge prompt costs the event loop nothing)."""
-        protocol.check_prompt_chars(len(text), self.require_ready(), param)
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of a request's text; ApiError 400 for text that is not valid Unicode."""
         try:
             if len(text) <= _INLINE_TOKENIZE_CHARS:
                 return self.tokenizer.encode(text)

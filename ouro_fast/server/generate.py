@@ -21,8 +21,12 @@ from .protocol import ApiError, GenerateRequest
 
 async def serve(request, client: EngineClient, req: GenerateRequest) -> HTTPResponse | None:
     info = client.require_ready()
-    where = "messages" if req.chat else "prompt"
-    prompt_ids = req.prompt if isinstance(req.prompt, list) else await client.encode(req.prompt, where)
+    if isinstance(req.prompt, list):
+        prompt_ids = req.prompt
+    else:
+        # Too long for any request: refused from its length, before tokenizing costs the event loop.
+        protocol.check_prompt_chars(len(req.prompt), info, "messages" if req.chat else "prompt")
+        prompt_ids = await client.encode(req.prompt)
     params = protocol.sampling_params(req, len(prompt_ids), info)
     rid = protocol.request_id(request.headers.get("x-request-id"), req.chat)
     request.ctx.submitted = True  # from here on, a refusal is the engine's, counted by the client

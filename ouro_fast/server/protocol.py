@@ -1,26 +1,36 @@
-"""The OpenAI wire format, in one place: request validation and response shapes.
+"""The OpenAI wire format: requests validated against the models of api_models.py, and response shapes.
 
-Every client mistake becomes an ApiError (an HTTP 4xx in the OpenAI error shape,
-naming the offending field); nothing here touches the engine. Validation is strict:
-an unknown field, or a known one asking for something ouro_fast does not do
-(n > 1, logprobs, penalties, ...), is a 400 rather than silently ignored.
+Every client mistake becomes an ApiError (an HTTP 4xx in the OpenAI error shape, naming the
+offending field); nothing here touches the engine. Types are checked strictly; a field that no
+model declares is ignored and logged, as vLLM does; a declared field asking for something the
+engine does not do yet is a 400.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import ujson
+from pydantic import ValidationError
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_TOKEN_IDS = 64
-MAX_TEMPERATURE = 1e6  # the engine keeps it as float32: bound it well inside that range
-_INT32_MAX = (1 << 31) - 1
+from .api_models import (
+    ApiModel,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+    unsupported,
+)
+
 _MAX_REQUEST_ID = 4096
+M = TypeVar("M", bound=ApiModel)
+logger = logging.getLogger("ouro_fast.server")
 
 
 class ApiError(Exception):
@@ -112,174 +122,70 @@ def parse_json(body: bytes) -> dict:
     return value
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    # An int is always finite; math.isfinite would convert it to float and overflow past ~1e308.
-    return _is_int(x) or (isinstance(x, float) and math.isfinite(x))
-
-
-def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
-    x = body.get(name)
-    if x is not None and not (_is_int(x) and lo <= x <= hi):
-        raise bad(name, f"{name} must be an integer in [{lo}, {hi}], got {_show(x)}")
-    return x
-
-
-def _real(body: dict, name: str, lo: float, hi: float) -> float | None:
-    x = body.get(name)
-    if x is not None and not (_is_real(x) and lo <= x <= hi):
-        raise bad(name, f"{name} must be a number in [{lo:g}, {hi:g}], got {_show(x)}")
-    return x
-
-
-def _bool(body: dict, name: str) -> bool | None:
-    x = body.get(name)
-    if x is not None and not isinstance(x, bool):
-        raise bad(name, f"{name} must be true or false, got {_show(x)}")
-    return x
-
-
 def _show(x: object) -> str:
     text = ujson.dumps(x, ensure_ascii=True) if not isinstance(x, float) else repr(x)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-# Fields whose only accepted values are these "off" values (null is always accepted).
-_NEUTRAL = {
-    "n": (1,),
-    "repetition_penalty": (1.0,),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "min_tokens": (0,),
-    "min_p": (0.0,),
-    "length_penalty": (1.0,),
-    "use_beam_search": (False,),
-    "logit_bias": ({},),
-}
-_NEUTRAL_COMPLETION = {"logprobs": (), "echo": (False,), "best_of": (1,), "suffix": ()}
-_NEUTRAL_CHAT = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "response_format": ({"type": "text"},),
-}
-_COMMON = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "skip_special_tokens", "stream", "stream_options", "user",
-    "min_loops", "max_loops", "exit_threshold",
-}  # fmt: skip
-_COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | set(_NEUTRAL_COMPLETION)
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL) | set(_NEUTRAL_CHAT)
-_CHAT_FIELDS |= {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+def _validate(model_cls: type[M], body: dict) -> M:
+    """The body as `model_cls`, or a 400 naming the first field that is wrong."""
+    try:
+        req = model_cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        if loc:
+            got = "" if err["type"] == "missing" else f", got {_show(err.get('input'))}"
+            raise bad(str(err["loc"][0]), f"{loc}: {message}{got}") from None
+        named = [f for f in model_cls.model_fields if message.startswith(f)]
+        param = max(named, key=len, default=None)  # "stream_options ..." names stream_options, not stream
+        raise bad(param, message) from None
+    ignored = req.ignored_fields()
+    if ignored:
+        logger.warning(
+            "the request's fields %s are not parameters of this endpoint: ignored", ", ".join(ignored)
+        )
+    return req
 
 
-def _is_neutral(x: object, allowed: tuple) -> bool:
-    if x is None:
-        return True
-    for a in allowed:
-        if isinstance(a, bool):
-            if x is a:
-                return True
-        elif isinstance(a, (int, float)):
-            if _is_real(x) and x == a:
-                return True
-        elif type(x) is type(a) and x == a:
-            return True
-    return False
-
-
-def _check_fields(body: dict, known: set[str], neutral: dict) -> None:
-    for name in body:
-        if name not in known:
-            raise bad(name, f"unknown field {_show(name)}")
-    for name, allowed in neutral.items():
-        if name in body and not _is_neutral(body[name], allowed):
-            shown = " or ".join(_show(a) for a in (None, *allowed))
-            raise bad(name, f"{name} is not supported: it may only be {shown}, got {_show(body[name])}")
-
-
-def _model(body: dict, info: ModelInfo) -> str:
-    model = body.get("model")
-    if model is None:
+def _model(name: str | None, info: ModelInfo) -> str:
+    if name is None:
         return info.names[0]
-    if not isinstance(model, str):
-        raise bad("model", f"model must be a string, got {_show(model)}")
-    if model not in info.names:
-        raise ApiError(404, f"the model {_show(model)} does not exist", param="model", code="model_not_found")
-    return model
+    if name not in info.names:
+        raise ApiError(404, f"the model {_show(name)} does not exist", param="model", code="model_not_found")
+    return name
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
-    stream = bool(_bool(body, "stream"))
-    opts = body.get("stream_options")
-    if opts is None:
-        return stream, False
-    if not stream:
-        raise bad("stream_options", "stream_options is only allowed when stream is true")
-    if not isinstance(opts, dict):
-        raise bad("stream_options", f"stream_options must be an object, got {_show(opts)}")
-    for key, value in opts.items():
-        if key not in ("include_usage", "continuous_usage_stats"):
-            raise bad("stream_options", f"unknown field stream_options.{key}")
-        if not isinstance(value, bool) and value is not None:
-            raise bad("stream_options", f"stream_options.{key} must be true or false, got {_show(value)}")
-    if opts.get("continuous_usage_stats"):
-        raise bad("stream_options", "stream_options.continuous_usage_stats is not supported")
-    return stream, bool(opts.get("include_usage"))
+def _check_supported(req: SamplingFields) -> None:
+    found = unsupported(req)
+    if found is not None:
+        name, value = found
+        raise bad(name, f"{name} {_show(value)} is not supported yet")
 
 
-def _options(body: dict, info: ModelInfo) -> dict:
+def _options(req: SamplingFields) -> dict:
     """SamplingParams keyword arguments (max_tokens excluded); absent fields keep its defaults."""
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad("user", f"user must be a string, got {_show(body['user'])}")
-    opts: dict = {}
-    for name, value in (
-        ("temperature", _real(body, "temperature", 0.0, MAX_TEMPERATURE)),
-        ("top_p", _real(body, "top_p", 0.0, 1.0)),
-        ("top_k", _int(body, "top_k", -1, _INT32_MAX)),
-        ("seed", _int(body, "seed", 0, (1 << 63) - 1)),
-        ("ignore_eos", _bool(body, "ignore_eos")),
-        ("skip_special_tokens", _bool(body, "skip_special_tokens")),
-        ("min_loops", _int(body, "min_loops", 1, info.num_loops)),
-        ("max_loops", _int(body, "max_loops", 1, info.num_loops)),
-        ("exit_threshold", _real(body, "exit_threshold", 0.0, 1.0)),
-    ):
-        if value is not None:
-            opts[name] = value
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None:
-        if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-            raise bad("stop", f"stop must be a non-empty string or a list of them, got {_show(stop)}")
-        if len(stop) > MAX_STOP_STRINGS:
-            raise bad("stop", f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
-        opts["stop"] = stop
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        ok = isinstance(ids, list) and all(_is_int(t) and 0 <= t <= _INT32_MAX for t in ids)
-        if not ok or len(ids) > MAX_STOP_TOKEN_IDS:
-            raise bad("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} "
-                                        f"token ids, got {_show(ids)}")  # fmt: skip
-        opts["stop_token_ids"] = ids
+    names = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens", "min_loops",
+             "max_loops", "exit_threshold", "stop_token_ids")  # fmt: skip
+    opts = {name: getattr(req, name) for name in names if getattr(req, name) is not None}
+    if req.seed is not None and req.seed < 0:
+        raise bad("seed", f"seed must be >= 0, got {req.seed}")
+    if req.stop is not None:
+        opts["stop"] = req.stop_strings()
     return opts
 
 
-def _token_ids(ids: list, info: ModelInfo, param: str) -> list[int]:
+def _token_ids(ids: list[int], info: ModelInfo, param: str) -> list[int]:
     if not ids:
         raise bad(param, f"{param} is empty")
     for t in ids:
-        if not (_is_int(t) and 0 <= t < info.vocab_limit):
+        if not 0 <= t < info.vocab_limit:
             raise bad(param, f"{param} token ids must be integers in [0, {info.vocab_limit}), got {_show(t)}")
     return ids
 
 
-def _prompt(body: dict, info: ModelInfo) -> str | list[int]:
-    prompt = body.get("prompt")
+def _prompt(prompt: str | list, info: ModelInfo) -> str | list[int]:
     # A batch of exactly one prompt is that prompt.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -287,57 +193,51 @@ def _prompt(body: dict, info: ModelInfo) -> str | list[int]:
         if not prompt:
             raise bad("prompt", "prompt is empty")
         return prompt
-    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        return _token_ids(prompt, info, "prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad("prompt", "one prompt per request: batched prompts are not supported")
-    raise bad("prompt", f"prompt must be a string or a list of token ids, got {_show(prompt)}")
+    if prompt and isinstance(prompt[0], (str, list)):
+        raise bad("prompt", "one prompt per request: batched prompts are not supported yet")
+    return _token_ids(prompt, info, "prompt")
+
+
+def _stream(req: SamplingFields) -> tuple[bool, bool]:
+    opts = req.stream_options
+    return bool(req.stream), bool(opts is not None and opts.include_usage)
 
 
 def parse_completion(body: dict, info: ModelInfo) -> GenerateRequest:
     """A /v1/completions body, validated."""
-    _check_fields(body, _COMPLETION_FIELDS, {**_NEUTRAL, **_NEUTRAL_COMPLETION})
-    model = _model(body, info)
-    if "prompt" not in body:
-        raise bad("prompt", "prompt is required")
-    prompt = _prompt(body, info)
-    stream, include_usage = _stream(body)
-    max_tokens = _int(body, "max_tokens", 1, _INT32_MAX)
+    req = _validate(CompletionRequest, body)
+    _check_supported(req)
+    model = _model(req.model, info)
+    prompt = _prompt(req.prompt, info)
+    stream, include_usage = _stream(req)
     return GenerateRequest(
-        chat=False, model=model, prompt=prompt, options=_options(body, info),
-        max_tokens=16 if max_tokens is None else max_tokens, stream=stream, include_usage=include_usage,
+        chat=False, model=model, prompt=prompt, options=_options(req),
+        max_tokens=16 if req.max_tokens is None else req.max_tokens, stream=stream,
+        include_usage=include_usage,
     )  # fmt: skip
 
 
 def parse_chat(body: dict, info: ModelInfo, template: Callable[..., str]) -> GenerateRequest:
     """A /v1/chat/completions body, validated; `template` renders the messages (ValueError: a 400)."""
-    _check_fields(body, _CHAT_FIELDS, {**_NEUTRAL, **_NEUTRAL_CHAT})
-    model = _model(body, info)
-    messages = body.get("messages")
-    if messages is None:
-        raise bad("messages", "messages is required")
-    _check_chat_size(messages, info)
-    add = _bool(body, "add_generation_prompt")
-    cont = bool(_bool(body, "continue_final_message"))
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise bad("chat_template_kwargs", f"chat_template_kwargs must be an object, got {_show(kwargs)}")
+    req = _validate(ChatCompletionRequest, body)
+    _check_supported(req)
+    model = _model(req.model, info)
+    _check_chat_size(req.messages, info)
+    cont = bool(req.continue_final_message)
+    add = not cont if req.add_generation_prompt is None else req.add_generation_prompt
+    kwargs = req.chat_template_kwargs or {}
     taken = sorted(set(kwargs) & {"messages", "add_generation_prompt", "continue_final_message"})
     if taken:
         raise bad("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(taken)}")
-    if add is None:
-        add = not cont  # continuing the last message means no new assistant turn
     try:
-        prompt = template(messages, add, cont, **kwargs)
+        prompt = template(req.messages, add, cont, **kwargs)
     except ValueError as e:
         raise bad("messages", str(e)) from None
-    stream, include_usage = _stream(body)
-    max_tokens = _int(body, "max_tokens", 1, _INT32_MAX)
+    stream, include_usage = _stream(req)
     # The newer OpenAI name wins, as in OpenAI's own API.
-    max_completion = _int(body, "max_completion_tokens", 1, _INT32_MAX)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return GenerateRequest(
-        chat=True, model=model, prompt=prompt, options=_options(body, info),
-        max_tokens=max_completion if max_completion is not None else max_tokens,
+        chat=True, model=model, prompt=prompt, options=_options(req), max_tokens=max_tokens,
         stream=stream, include_usage=include_usage,
     )  # fmt: skip
 
@@ -410,30 +310,25 @@ def request_id(header: str | None, chat: bool) -> str:
 
 def parse_tokenize(body: dict, info: ModelInfo, template: Callable[..., str]) -> str:
     """The text a /tokenize body asks about: "prompt", or "messages" rendered as a chat."""
-    _check_fields(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}, {})
-    _model(body, info)
-    _bool(body, "add_special_tokens")  # accepted for vLLM compatibility: ouro_fast never adds specials
-    if ("prompt" in body) == ("messages" in body):
+    req = _validate(TokenizeRequest, body)
+    _model(req.model, info)
+    if (req.prompt is None) == (req.messages is None):
         raise bad("prompt", "give exactly one of prompt and messages")
-    if "messages" in body:
-        add = _bool(body, "add_generation_prompt")
+    if req.messages is not None:
         try:
-            return template(body["messages"], add is not False)
+            return template(req.messages, req.add_generation_prompt is not False)
         except ValueError as e:
             raise bad("messages", str(e)) from None
-    if not isinstance(body["prompt"], str):
-        raise bad("prompt", f"prompt must be a string, got {_show(body['prompt'])}")
-    return body["prompt"]
+    return req.prompt
 
 
 def parse_detokenize(body: dict, info: ModelInfo) -> list[int]:
     """The token ids of a /detokenize body."""
-    _check_fields(body, {"model", "tokens"}, {})
-    _model(body, info)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise bad("tokens", f"tokens must be a list of token ids, got {_show(tokens)}")
-    return _token_ids(tokens, info, "tokens") if tokens else []
+    req = _validate(DetokenizeRequest, body)
+    _model(req.model, info)
+    if req.tokens is None:
+        raise bad("tokens", "tokens is required")
+    return _token_ids(req.tokens, info, "tokens") if req.tokens else []
 
 
 # ---- JSON out ------------------------------------------------------------------
