@@ -348,3 +348,48 @@ def test_outputs_made_inside_a_failing_step_are_not_lost(model_dir):
             engine.step()
     finals = {o.request_id: o.finish_reason for o in engine.abort_all("error") if o.finished}
     assert finals == {"a": "length", "b": "error"}
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.5])
+def test_logprobs_match_the_dense_reference(model_dir, threshold):
+    """Each token's log-probability and its top 5, from the logits of the loop it exited at, before
+    temperature: the dense reference's log_softmax within 1e-3 (fp32)."""
+    engine = Engine(EngineConfig(model=model_dir, device="cpu"))
+    params = SamplingParams(
+        max_tokens=12, temperature=0, exit_threshold=threshold, ignore_eos=True, logprobs=5
+    )
+    got = run(engine, PROMPTS, params)
+    ref = DenseReference(dict(engine.model.state_dict()), engine.model_config, 128, engine.vocab_limit)
+    for prompt, req in zip(PROMPTS, got):
+        want = ref.generate(prompt, 12, threshold=threshold)
+        assert req.output_ids == want.tokens and len(req.logprobs) == 12
+        for tok, lp, logits in zip(req.output_ids, req.logprobs, want.logits):
+            ref_lp = torch.log_softmax(logits[: engine.vocab_limit].float(), dim=-1)
+            assert abs(lp.logprob - float(ref_lp[tok])) < 1e-3
+            top = ref_lp.topk(5)
+            assert lp.top_ids[0] == tok == int(top.indices[0])  # greedy: the sampled token is the likeliest
+            torch.testing.assert_close(torch.tensor(lp.top_logprobs), top.values, atol=1e-3, rtol=0)
+
+
+def test_logprobs_are_before_temperature_and_only_when_asked(model_dir):
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", keep_logits=True))
+    hot = SamplingParams(max_tokens=6, temperature=5.0, seed=3, ignore_eos=True, logprobs=0)
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    a, b = run(engine, [PROMPTS[0], PROMPTS[1]], [hot, plain])
+    assert b.logprobs == [] and len(a.logprobs) == 6
+    for tok, lp, logits in zip(a.output_ids, a.logprobs, a.logits):
+        assert lp.top_ids == [] and lp.top_logprobs == []
+        assert abs(lp.logprob - float(torch.log_softmax(logits[: engine.vocab_limit], -1)[tok])) < 1e-5
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add_request("x", [1, 2], SamplingParams(logprobs=21))
+
+
+def test_llm_reports_logprobs_in_vllms_shape(model_dir):
+    llm = LLM(model_dir, device="cpu")
+    (out,) = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3))
+    c = out.outputs[0]
+    assert len(c.logprobs) == 4
+    for tok, entry in zip(c.token_ids, c.logprobs):
+        assert tok in entry and entry[tok].rank == 1 and len(entry) == 3  # greedy: the top one
+        assert entry[tok].decoded_token == llm.engine.tokenizer.decode([tok], skip_special_tokens=False)
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))

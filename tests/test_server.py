@@ -357,8 +357,8 @@ BAD = [
     (C, {"prompt": "x", "seed": -1}, 400, "seed"),
     (C, {"prompt": "x", "seed": 2**70}, 400, "seed"),
     (C, {"prompt": "x", "n": 2}, 400, "n"),
-    (C, {"prompt": "x", "logprobs": 1}, 400, "logprobs"),
-    (C, {"prompt": "x", "logprobs": 0}, 400, "logprobs"),
+    (C, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (C, {"prompt": "x", "logprobs": True}, 400, "logprobs"),
     (C, {"prompt": "x", "best_of": 2}, 400, "best_of"),
     (C, {"prompt": "x", "echo": True}, 400, "echo"),
     (C, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
@@ -389,7 +389,8 @@ BAD = [
     (CH, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
     (CH, {"messages": "hello"}, 400, "messages"),
     (CH, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
-    (CH, {"messages": MSG, "logprobs": True}, 400, "logprobs"),
+    (CH, {"messages": MSG, "logprobs": 2}, 400, "logprobs"),
+    (CH, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CH, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"prompt": "x", "messages": MSG}, 400, "prompt"),
@@ -415,34 +416,6 @@ def test_bad_input_is_a_4xx_in_openai_shape(server):
 
 
 # ---- shutdown --------------------------------------------------------------------------
-
-
-def test_unknown_fields_are_ignored_and_logged(server):
-    """As vLLM's server does: a field no endpoint declares does not fail the request."""
-    body = {
-        "model": MODEL,
-        "prompt": "x",
-        "max_tokens": 2,
-        "vendor_flag": True,
-        "messages": "not for this endpoint",
-    }
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-    deadline = time.monotonic() + 5
-    while "messages, vendor_flag" not in server.log() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert (
-        "the request's fields messages, vendor_flag are not parameters of this endpoint: ignored"
-        in server.log()
-    )
-
-
-def test_sigint_shutdown_is_clean(server):
-    """Last in this module: SIGINT ends the idle server cleanly and joins the owner thread."""
-    server.proc.send_signal(signal.SIGINT)
-    assert server.proc.wait(30) == 0
-    assert "the engine owner thread has ended" in server.log()
-    assert "Traceback" not in server.log()
 
 
 def _sse(r: httpx.Response) -> list[dict]:
@@ -478,3 +451,65 @@ def test_response_shapes_are_the_openai_sdks_types(server):
         for chunk in chunks:
             ChatCompletionChunk.model_validate(chunk)
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_logprobs_in_the_openai_shapes(server, llm):
+    """Completions (logprobs N) and chat (logprobs, top_logprobs) report the offline engine's numbers."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    params = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    (want,) = llm.generate("Hi there", SamplingParams(**params, logprobs=2))
+    want = want.outputs[0]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "Hi there", "logprobs": 2, **params}
+        ).json()
+        Completion.model_validate(body)
+        lp = body["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == 4 and lp["text_offset"][0] == 0
+        for got, entry, tok in zip(lp["token_logprobs"], want.logprobs, want.token_ids):
+            assert got == pytest.approx(entry[tok].logprob, abs=1e-5)
+        assert all(len(top) >= 1 for top in lp["top_logprobs"])  # keyed by text: two ids may share one
+        # Streamed: each chunk carries its tokens' logprobs, offsets continuing across chunks.
+        chunks = _sse(http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi there", "logprobs": 2,
+                                                          "stream": True, **params}))  # fmt: skip
+        streamed = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+        assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-6)
+        msgs = [{"role": "user", "content": "Hi"}]
+        chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "logprobs": True,
+                                                       "top_logprobs": 3, **params}).json()  # fmt: skip
+        ChatCompletion.model_validate(chat)
+        content = chat["choices"][0]["logprobs"]["content"]
+        assert len(content) == 4 and all(len(c["top_logprobs"]) == 3 for c in content)
+        assert content[0]["logprob"] == content[0]["top_logprobs"][0]["logprob"]  # greedy: the likeliest
+        plain = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", **params}).json()
+        assert plain["choices"][0]["logprobs"] is None
+
+
+def test_unknown_fields_are_ignored_and_logged(server):
+    """As vLLM's server does: a field no endpoint declares does not fail the request."""
+    body = {
+        "model": MODEL,
+        "prompt": "x",
+        "max_tokens": 2,
+        "vendor_flag": True,
+        "messages": "not for this endpoint",
+    }
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    deadline = time.monotonic() + 5
+    while "messages, vendor_flag" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (
+        "the request's fields messages, vendor_flag are not parameters of this endpoint: ignored"
+        in server.log()
+    )
+
+
+def test_sigint_shutdown_is_clean(server):
+    """Last in this module: SIGINT ends the idle server cleanly and joins the owner thread."""
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(30) == 0
+    assert "the engine owner thread has ended" in server.log()
+    assert "Traceback" not in server.log()

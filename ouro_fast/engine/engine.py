@@ -53,6 +53,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     exit_loops: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of each output token, when asked for
     text: str = ""
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -188,6 +189,7 @@ class Engine:
             s.top_k[rid] = max(params.top_k, 0)
             s.seed[rid] = -1 if params.seed is None else params.seed
             s.num_outputs[rid] = 0
+            s.logprobs[rid] = -1 if params.logprobs is None else params.logprobs
             self.detok.add(rid, req.prompt_ids, params.skip_special_tokens, params.stop)
         except Exception:
             self.scheduler.finish(rid)  # leave no half-registered request behind
@@ -287,6 +289,8 @@ class Engine:
             self.scheduler.sampling.num_outputs[rid] += 1
             if result.logits is not None:
                 req.logits.append(result.logits[int(np.flatnonzero(plan.rid == rid)[0])])
+            if req.params.logprobs is not None:
+                req.logprobs.append(result.logprobs[rid])
             if tok in req.eos_ids:
                 finished[rid] = "stop"  # the stop token's text is never emitted
             else:
@@ -324,6 +328,7 @@ class Engine:
 
     @staticmethod
     def _output(req: Request, delta: str, new_ids: list[int], reason: str | None, error: str | None = None):
+        n = len(new_ids)
         return StepOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
@@ -332,7 +337,8 @@ class Engine:
             finish_reason=reason,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
-            exit_loops=req.exit_loops[len(req.exit_loops) - len(new_ids) :] if new_ids else [],
+            exit_loops=req.exit_loops[len(req.exit_loops) - n :] if n else [],
+            logprobs=req.logprobs[len(req.logprobs) - n :] if n and req.logprobs else None,
             error=error,
             request=req if reason is not None else None,
         )

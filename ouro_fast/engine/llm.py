@@ -18,6 +18,15 @@ from .sampling import SamplingParams
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int | None = None  # 1 + how many tokens were likelier; None where not computed
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request (vLLM's CompletionOutput)."""
 
@@ -27,8 +36,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort" or "error"
     exit_loops: list[int] = field(default_factory=list)  # the 0-based loop each token exited at
     stop_reason: int | str | None = None  # the stop token id that ended it, when one did
-    cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    cumulative_logprob: float | None = None  # the sum of the tokens' log-probabilities, when asked for
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: its id and the top ones -> Logprob
 
 
 @dataclass
@@ -123,7 +132,8 @@ class LLM:
         while len(done) < len(keys):
             for out in eng.step():
                 if out.finished and out.request_id in slot:
-                    done[out.request_id] = _request_output(out, encoded[slot[out.request_id]][0])
+                    prompt = encoded[slot[out.request_id]][0]
+                    done[out.request_id] = _request_output(out, prompt, eng.tokenizer)
         return [done[k] for k in keys]
 
 
@@ -150,7 +160,7 @@ def _with_stops(params: SamplingParams, ids: list[int]) -> SamplingParams:
     )
 
 
-def _request_output(out, prompt: str | None) -> RequestOutput:
+def _request_output(out, prompt: str | None, tokenizer) -> RequestOutput:
     req = out.request
     ids = list(req.output_ids)
     stop = ids[-1] if out.finish_reason == "stop" and ids and ids[-1] in req.eos_ids else None
@@ -158,4 +168,16 @@ def _request_output(out, prompt: str | None) -> RequestOutput:
         index=0, text=req.text, token_ids=ids, finish_reason=out.finish_reason,
         exit_loops=list(req.exit_loops), stop_reason=stop,
     )  # fmt: skip
+    if req.params.logprobs is not None:
+        completion.logprobs = [_logprob_dict(t, lp, tokenizer) for t, lp in zip(ids, req.logprobs)]
+        completion.cumulative_logprob = sum(lp.logprob for lp in req.logprobs)
     return RequestOutput(out.request_id, prompt, list(req.prompt_ids), [completion], error=out.error)
+
+
+def _logprob_dict(token: int, lp, tokenizer) -> dict[int, Logprob]:
+    def text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False)
+
+    entries = {t: Logprob(v, i + 1, text(t)) for i, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
+    entries[token] = Logprob(lp.logprob, lp.rank, text(token))
+    return entries

@@ -22,6 +22,7 @@ class StepOutput:
     exit_loops: list[int]  # 0-based exit loop of each new token
     error: str | None = None
     request: Any = None  # the finished Request (full text, ids, exit loops); None until finished
+    logprobs: list | None = None  # TokenLogprobs of each new token, when the request asked for them
 
 
 @dataclass

@@ -35,6 +35,7 @@ class SamplingTable:
     top_k: np.ndarray  # int32; 0 = off
     seed: np.ndarray  # int64; -1 = unseeded
     num_outputs: np.ndarray  # int32: tokens generated so far (a seeded request's noise is keyed by it)
+    logprobs: np.ndarray  # int32: top log-probabilities to report per token; -1 = none, 0 = the sampled one
 
     @classmethod
     def empty(cls, capacity: int) -> SamplingTable:
@@ -44,6 +45,7 @@ class SamplingTable:
             top_k=np.zeros(capacity, np.int32),
             seed=np.full(capacity, -1, np.int64),
             num_outputs=np.zeros(capacity, np.int32),
+            logprobs=np.full(capacity, -1, np.int32),
         )
 
 
@@ -109,12 +111,23 @@ class StepPlan:
 
 
 @dataclass
+class TokenLogprobs:
+    """A sampled token's log-probability, and the likeliest tokens' ids and log-probabilities, best first."""
+
+    logprob: float
+    rank: int  # 1 + how many tokens were likelier
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class StepResult:
     """What a runner returns for a StepPlan: per row, whether its last token exited, and the sample."""
 
     exited: np.ndarray  # uint8 [R]: 1 when the row's last token exited at this loop (and was sampled)
     sampled: np.ndarray  # int32 [R]: the sampled next token of an exited row (undefined otherwise)
     logits: dict[int, torch.Tensor] | None = None  # row -> float32 logits of its exit (keep_logits only)
+    logprobs: dict[int, TokenLogprobs] | None = None  # rid -> its new token's log-probabilities, when asked
 
 
 @dataclass(slots=True)

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .plan import StepPlan, StepResult
+from .plan import StepPlan, StepResult, TokenLogprobs
 
 # Temperatures below this sample greedily: logits / temperature would overflow float32.
 GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # the most top log-probabilities a token reports, as OpenAI's API allows
 _MASK64 = (1 << 64) - 1
 
 
@@ -35,6 +36,9 @@ class SamplingParams:
     min_loops: int | None = None
     max_loops: int | None = None
     exit_threshold: float | None = None
+    # Log-probabilities of each sampled token and of the `logprobs` most likely ones (0: the sampled
+    # token's alone), from the logits that chose it, before temperature; None: none.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +79,9 @@ class SamplingParams:
             "a list of integers >= 0",
             self.stop_token_ids,
         )
+        if self.logprobs is not None:
+            ok = _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
+            _check(ok, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
         lo = 1 if self.min_loops is None else self.min_loops
         hi = num_loops if self.max_loops is None else self.max_loops
         _check(_is_int(lo) and 1 <= lo <= num_loops, "min_loops", f"an integer in [1, {num_loops}]", lo)
@@ -89,6 +96,9 @@ class SamplingParams:
 
     def exit_policy(self, num_loops: int, default_threshold: float) -> tuple[int, int, float]:
         """(min_loops, max_loops, exit_threshold) with the model defaults filled in."""
+        if self.logprobs is not None:
+            ok = _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
+            _check(ok, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
         lo = 1 if self.min_loops is None else self.min_loops
         hi = num_loops if self.max_loops is None else self.max_loops
         q = default_threshold if self.exit_threshold is None else self.exit_threshold
@@ -266,7 +276,7 @@ def sample_exited(
     returns the step's StepResult. h_last [R, hidden]: each row's last token's output."""
     sampled = np.zeros(plan.num_rows, dtype=np.int32)
     rows = np.flatnonzero(exited)
-    kept = None
+    kept = logprobs = None
     if rows.size:
         rids = plan.rid[rows]
         # All rows exited (full depth): no gather, and no index copy that would wait for the stream.
@@ -283,6 +293,28 @@ def sample_exited(
             s.num_outputs[rids].tolist(),
         )
         sampled[rows] = ids.cpu().numpy()
+        if (s.logprobs[rids] >= 0).any():
+            logprobs = token_logprobs(logits, sampled[rows], rids, s.logprobs[rids], sampler.vocab_limit)
         if keep_logits:
             kept = {int(row): logits[i].cpu() for i, row in enumerate(rows)}
-    return StepResult(exited, sampled, kept)
+    return StepResult(exited, sampled, kept, logprobs)
+
+
+def token_logprobs(
+    logits: torch.Tensor, ids: np.ndarray, rids: np.ndarray, wanted: np.ndarray, vocab: int
+) -> dict[int, TokenLogprobs]:
+    """rid -> the sampled token's log-probability and the `wanted` most likely ones, for the rows that want
+    them (wanted >= 0), from float32 logits [rows, >= vocab] before temperature."""
+    rows = np.flatnonzero(wanted >= 0)
+    index = torch.from_numpy(rows).to(logits.device)
+    lp = torch.log_softmax(logits[index, :vocab], dim=-1)
+    chosen = lp.gather(1, torch.from_numpy(ids[rows].astype(np.int64)).to(lp.device)[:, None])
+    rank = (lp > chosen).sum(dim=-1) + 1
+    k = int(wanted[rows].max())
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen, rank, top_lp, top_ids = chosen[:, 0].tolist(), rank.tolist(), top_lp.tolist(), top_ids.tolist()
+    out = {}
+    for i, r in enumerate(rows):
+        n = int(wanted[r])
+        out[int(rids[r])] = TokenLogprobs(chosen[i], rank[i], top_ids[i][:n], top_lp[i][:n])
+    return out

@@ -136,7 +136,6 @@ NEUTRAL: dict[str, tuple] = {
     "tools": ([],),
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
-    "top_logprobs": (0,),
 }
 
 
@@ -146,10 +145,6 @@ def unsupported(req: SamplingFields) -> tuple[str, Any] | None:
         value = getattr(req, name, None)
         if value is not None and value not in allowed:
             return name, value
-    # logprobs: null (completions: an int asks for them, 0 included) or false (chat) until they are reported.
-    logprobs = getattr(req, "logprobs", None)
-    if logprobs is not None and logprobs is not False:
-        return "logprobs", logprobs
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
         return "stream_options", req.stream_options.model_dump(exclude_none=True)
     return None

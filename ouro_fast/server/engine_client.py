@@ -137,6 +137,10 @@ class EngineClient:
 
     # ---- requests -----------------------------------------------------------------
 
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens spelled out (the `token` of an OpenAI logprob)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
     async def encode(self, text: str) -> list[int]:
         """Token ids of a request's text; ApiError 400 for text that is not valid Unicode."""
         try:

@@ -33,8 +33,8 @@ async def serve(request, client: EngineClient, req: GenerateRequest) -> HTTPResp
     handle = client.submit(prompt_ids, params, request.transport)
     try:
         if req.stream:
-            return await _stream(request, handle, req, rid)
-        return await _collect(handle, req, rid)
+            return await _stream(request, handle, req, rid, client.token_text)
+        return await _collect(handle, req, rid, client.token_text)
     except asyncio.CancelledError:
         client.abort(handle, "disconnect")
         raise
@@ -62,35 +62,41 @@ def _failure(outs: list, sent_tokens: bool) -> ApiError | None:
     return None
 
 
-def _merge(outs: list) -> tuple[str, int, object]:
-    """(text, new token count, the final output or None) of consecutive outputs of one request."""
+def _merge(outs: list) -> tuple[str, list[int], list, object]:
+    """(text, new token ids, their log-probabilities, the final output or None) of consecutive outputs
+    of one request."""
     text = "".join(o.text_delta for o in outs)
     final = outs[-1] if outs[-1].finished else None
-    return text, sum(len(o.new_token_ids) for o in outs), final
+    ids = [t for o in outs for t in o.new_token_ids]
+    lps = [lp for o in outs for lp in (o.logprobs or ())]
+    return text, ids, lps, final
 
 
-async def _collect(handle: RequestHandle, req: GenerateRequest, rid: str) -> HTTPResponse:
+async def _collect(handle: RequestHandle, req: GenerateRequest, rid: str, decode) -> HTTPResponse:
     created = int(time.time())
     parts: list[str] = []
-    tokens = 0
+    ids: list[int] = []
+    lps: list = []
     while True:
         outs = await handle.next()
-        error = _failure(outs, tokens > 0)
+        error = _failure(outs, bool(ids))
         if error is not None:
             raise error
-        text, n, final = _merge(outs)
+        text, new, new_lps, final = _merge(outs)
         parts.append(text)
-        tokens += n
+        ids += new
+        lps += new_lps
         if final is not None:
             break
     if final.finish_reason == "error":
         raise ApiError(500, final.error or "the engine failed", code="engine_error")
+    logprobs = protocol.logprobs_body(req, ids, lps, decode)
     body = protocol.completion_response(rid, created, req, "".join(parts), final.finish_reason,
-                                        final.prompt_tokens, final.completion_tokens)  # fmt: skip
+                                        final.prompt_tokens, final.completion_tokens, logprobs)  # fmt: skip
     return json_response(body)
 
 
-async def _stream(request, handle: RequestHandle, req: GenerateRequest, rid: str) -> None:
+async def _stream(request, handle: RequestHandle, req: GenerateRequest, rid: str, decode) -> None:
     created = int(time.time())
     outs = await handle.next()
     # Errors before the first token are real HTTP errors: the response has not started.
@@ -98,17 +104,21 @@ async def _stream(request, handle: RequestHandle, req: GenerateRequest, rid: str
     if error is not None:
         raise error
     resp = await request.respond(content_type=stream.CONTENT_TYPE, headers=stream.HEADERS)
-    first = True
+    first, offset = True, 0
     while True:
-        text, n, final = _merge(outs)
+        text, ids, lps, final = _merge(outs)
         if final is not None and final.finish_reason == "error":
             err = ApiError(500, final.error or "the engine failed", code="engine_error")
             await resp.send(stream.event(err.body()))
             # Cut the connection (no terminating chunk): clients must see this request as failed.
             request.transport.close()
             return
-        if n or text or final is not None:
-            chunk = protocol.stream_chunk(rid, created, req, text, final and final.finish_reason, first)
+        if ids or text or final is not None:
+            logprobs = protocol.logprobs_body(req, ids, lps, decode, offset)
+            offset += len(text)
+            chunk = protocol.stream_chunk(
+                rid, created, req, text, final and final.finish_reason, first, logprobs
+            )
             await resp.send(stream.event(chunk))
             first = False
         if final is not None:

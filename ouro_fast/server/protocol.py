@@ -100,6 +100,7 @@ class GenerateRequest:
     max_tokens: int | None  # None: whatever room the context leaves (chat default)
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # top log-probabilities per token to report; None: no logprobs
 
 
 # ---- JSON in -------------------------------------------------------------------
@@ -173,7 +174,20 @@ def _options(req: SamplingFields) -> dict:
         raise bad("seed", f"seed must be >= 0, got {req.seed}")
     if req.stop is not None:
         opts["stop"] = req.stop_strings()
+    logprobs = _logprobs(req)
+    if logprobs is not None:
+        opts["logprobs"] = logprobs
     return opts
+
+
+def _logprobs(req: SamplingFields) -> int | None:
+    """How many top log-probabilities a token reports: completions ask with an int, chat with
+    logprobs true and top_logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad("top_logprobs", "top_logprobs needs logprobs true")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def _token_ids(ids: list[int], info: ModelInfo, param: str) -> list[int]:
@@ -213,7 +227,7 @@ def parse_completion(body: dict, info: ModelInfo) -> GenerateRequest:
     return GenerateRequest(
         chat=False, model=model, prompt=prompt, options=_options(req),
         max_tokens=16 if req.max_tokens is None else req.max_tokens, stream=stream,
-        include_usage=include_usage,
+        include_usage=include_usage, logprobs=req.logprobs,
     )  # fmt: skip
 
 
@@ -238,7 +252,7 @@ def parse_chat(body: dict, info: ModelInfo, template: Callable[..., str]) -> Gen
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return GenerateRequest(
         chat=True, model=model, prompt=prompt, options=_options(req), max_tokens=max_tokens,
-        stream=stream, include_usage=include_usage,
+        stream=stream, include_usage=include_usage, logprobs=_logprobs(req),
     )  # fmt: skip
 
 
@@ -347,14 +361,46 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def logprobs_body(req: GenerateRequest, tokens: list[int], lps: list, decode: Callable[[int], str],
+                  offset: int = 0) -> dict | None:  # fmt: skip
+    """The OpenAI `logprobs` of a choice's tokens (TokenLogprobs each): the chat shape ({"content": [...]}) or
+    the completions one (tokens, token_logprobs, top_logprobs, text_offset from `offset`); None when the
+    request asked for none."""
+    if req.logprobs is None:
+        return None
+    if req.chat:
+        content = []
+        for t, lp in zip(tokens, lps):
+            text = decode(t)
+            top = [{"token": decode(i), "logprob": v, "bytes": list(decode(i).encode())}
+                   for i, v in zip(lp.top_ids, lp.top_logprobs)]  # fmt: skip
+            content.append(
+                {"token": text, "logprob": lp.logprob, "bytes": list(text.encode()), "top_logprobs": top}
+            )
+        return {"content": content, "refusal": None}
+    texts = [decode(t) for t in tokens]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    top = []
+    for text, lp in zip(texts, lps):
+        entry = {decode(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
+        entry.setdefault(text, lp.logprob)
+        top.append(entry)
+    return {"tokens": texts, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
+            "text_offset": offsets}  # fmt: skip
+
+
 def completion_response(rid: str, created: int, req: GenerateRequest, text: str, finish: str | None,
-                        prompt_tokens: int, completion_tokens: int) -> dict:  # fmt: skip
+                        prompt_tokens: int, completion_tokens: int,
+                        logprobs: dict | None = None) -> dict:  # fmt: skip
     """The non-streaming response body."""
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}  # fmt: skip
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {
         "id": rid,
         "object": "chat.completion" if req.chat else "text_completion",
@@ -366,13 +412,13 @@ def completion_response(rid: str, created: int, req: GenerateRequest, text: str,
 
 
 def stream_chunk(rid: str, created: int, req: GenerateRequest, text: str, finish: str | None,
-                 first: bool) -> dict:  # fmt: skip
+                 first: bool, logprobs: dict | None = None) -> dict:  # fmt: skip
     """One streamed text chunk; the chat role rides on the first chunk, with the first text."""
     if req.chat:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {
         "id": rid,
         "object": "chat.completion.chunk" if req.chat else "text_completion",

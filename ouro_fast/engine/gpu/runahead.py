@@ -97,11 +97,11 @@ class RunAhead(Seating):
         return all(self._plain(int(rid)) for rid in plan.rid)
 
     def _plain(self, rid: int) -> bool:
-        # Sampling the device does alone: greedy or plain temperature, unseeded, few stop ids.
+        # Sampling the device does alone: greedy or plain temperature, unseeded, few stop ids, no logprobs.
         req = self.requests[rid]
         p = req.params
         plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0)
-        return p.seed is None and plain and len(req.eos_ids) <= MAX_STOP_IDS
+        return p.seed is None and plain and len(req.eos_ids) <= MAX_STOP_IDS and p.logprobs is None
 
     @torch.inference_mode()
     def start(self, plan: StepPlan) -> bool:
