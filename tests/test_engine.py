@@ -393,3 +393,71 @@ def test_llm_reports_logprobs_in_vllms_shape(model_dir):
         assert tok in entry and entry[tok].rank == 1 and len(entry) == 3  # greedy: the top one
         assert entry[tok].decoded_token == llm.engine.tokenizer.decode([tok], skip_special_tokens=False)
     assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+
+
+def penalized_choice(prompt, presence=0.0, frequency=0.0, repetition=1.0, bias=None, min_tokens=0, stops=()):
+    """The reference's choice under vLLM's logits processors, token by token, in plain Python."""
+
+    def choose(logits, tokens):
+        x = logits.clone()
+        for t, v in (bias or {}).items():
+            x[t] += v
+        if len(tokens) < min_tokens:
+            for t in stops:
+                x[t] = float("-inf")
+        seen = set(prompt) | set(tokens)
+        for t in seen:
+            x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+        for t in set(tokens):
+            x[t] -= frequency * tokens.count(t) + presence
+        return int(x.argmax())
+
+    return choose
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(repetition_penalty=1.8),
+        dict(presence_penalty=1.5, frequency_penalty=0.7),
+        dict(frequency_penalty=-1.0),
+        dict(logit_bias={7: 6.0, 9: -100.0}),
+        dict(min_tokens=10, repetition_penalty=1.3),
+    ],
+)
+def test_logits_processors_match_the_reference_token_for_token(model_dir, opts):
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=3))
+    ref = DenseReference(dict(engine.model.state_dict()), engine.model_config, 128, engine.vocab_limit)
+    params = SamplingParams(max_tokens=16, temperature=0, exit_threshold=0.5, **opts)
+    plain = SamplingParams(max_tokens=16, temperature=0, exit_threshold=0.5)
+    prompts = PROMPTS[:4]
+    # Penalized requests share the batch with a plain one, and a 3-row limit makes them take turns in slots.
+    got = run(engine, prompts, [params, plain, params, params])
+    stops = sorted(engine.eos_ids)
+    for prompt, req, p in zip(prompts, got, [params, plain, params, params]):
+        choose = None
+        if p is params:
+            choose = penalized_choice(
+                prompt, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
+                p.min_tokens, stops,
+            )  # fmt: skip
+        want = ref.generate(prompt, 16, threshold=0.5, choose=choose)
+        n = len(req.output_ids)
+        assert req.output_ids == want.tokens[:n], (opts, prompt)
+        assert n == 16 or req.output_ids[-1] in engine.eos_ids
+        if "min_tokens" in opts:
+            assert n >= 10
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
+
+
+def test_min_p_keeps_only_tokens_near_the_likeliest(model_dir):
+    engine = Engine(EngineConfig(model=model_dir, device="cpu"))
+    # min_p 1: only the likeliest token survives, so sampling at any temperature is greedy.
+    hot = SamplingParams(max_tokens=10, temperature=3.0, min_p=1.0, ignore_eos=True)
+    greedy_run = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    a, b = run(engine, [PROMPTS[0], PROMPTS[0]], [hot, greedy_run])
+    assert a.output_ids == b.output_ids
+    with pytest.raises(ValueError, match="min_p"):
+        engine.add_request("x", [1], SamplingParams(min_p=1.5))
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("y", [1], SamplingParams(logit_bias={engine.vocab_limit: 1.0}))

@@ -362,11 +362,15 @@ BAD = [
     (C, {"prompt": "x", "best_of": 2}, 400, "best_of"),
     (C, {"prompt": "x", "echo": True}, 400, "echo"),
     (C, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
-    (C, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    (C, {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
-    (C, {"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    (C, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {"prompt": "x", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    (C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     (C, {"prompt": "x", "repetition_penalty": True}, 400, "repetition_penalty"),
-    (C, {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"a": 5}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "min_tokens": 20, "max_tokens": 4}, 400, "min_tokens"),
+    (C, {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
     (C, {"prompt": "x", "stream": "yes"}, 400, "stream"),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (C, {"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}}, 400, "stream_options"),
@@ -485,6 +489,19 @@ def test_logprobs_in_the_openai_shapes(server, llm):
         assert content[0]["logprob"] == content[0]["top_logprobs"][0]["logprob"]  # greedy: the likeliest
         plain = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", **params}).json()
         assert plain["choices"][0]["logprobs"] is None
+
+
+def test_penalties_bias_and_min_tokens_reach_the_engine(server, llm):
+    """The processors' fields give the offline engine's tokens, and they change the reply."""
+    params = dict(max_tokens=8, temperature=0, ignore_eos=True)
+    extra = dict(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={"5": 4.0})
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"model": MODEL, "prompt": "Hello there", **params, **extra}
+        text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        plain = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", **params}).json()
+    extra["logit_bias"] = {5: 4.0}
+    assert text == offline(llm, "Hello there", **params, **extra)[0]
+    assert text != plain["choices"][0]["text"]
 
 
 def test_unknown_fields_are_ignored_and_logged(server):

@@ -29,6 +29,7 @@ from ..model.tokenizer import OuroTokenizer
 from ..model.weights import load_config, load_generation_eos, load_weights
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .logits_processors import LogitsProcessors
 from .outputs import StepOutput, StepStats
 from .plan import StepPlan, StepResult, TokenEvents
 from .reference_runner import ReferenceRunner
@@ -84,6 +85,9 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)  # fmt: skip
         self.scheduler = self._build_scheduler()
+        self.scheduler.sampling.processors = LogitsProcessors(
+            self.scheduler.capacity, self.config.max_num_seqs, self.vocab_limit, self.device
+        )
         self.runner = self._build_runner()
         self.detok = IncrementalDetokenizer(self.tokenizer.raw)
         self.requests: dict[str, Request] = {}
@@ -190,6 +194,8 @@ class Engine:
             s.seed[rid] = -1 if params.seed is None else params.seed
             s.num_outputs[rid] = 0
             s.logprobs[rid] = -1 if params.logprobs is None else params.logprobs
+            s.min_p[rid] = params.min_p
+            s.processors.add(rid, params, req.prompt_ids, req.output_ids, req.eos_ids)
             self.detok.add(rid, req.prompt_ids, params.skip_special_tokens, params.stop)
         except Exception:
             self.scheduler.finish(rid)  # leave no half-registered request behind
@@ -204,6 +210,8 @@ class Engine:
             raise ValueError("the prompt is empty")
         if any(not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_limit for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_limit})")
+        if any(t >= self.vocab_limit for t in params.logit_bias or ()):
+            raise ValueError(f"logit_bias token ids must be below {self.vocab_limit}")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_request_tokens:
             raise ValueError(
@@ -317,6 +325,7 @@ class Engine:
         self, req: Request, reason: str, error: str | None = None, delta: str = "", new_ids=()
     ) -> StepOutput:
         self.scheduler.finish(req.rid)  # no-op when the scheduler already freed it (length cap)
+        self.scheduler.sampling.processors.remove(req.rid)
         delta += self.detok.finish(req.rid)
         if reason == "length" and self.detok.stopped(req.rid):
             reason = "stop"  # the final flush revealed a stop string

@@ -36,6 +36,10 @@ class SamplingTable:
     seed: np.ndarray  # int64; -1 = unseeded
     num_outputs: np.ndarray  # int32: tokens generated so far (a seeded request's noise is keyed by it)
     logprobs: np.ndarray  # int32: top log-probabilities to report per token; -1 = none, 0 = the sampled one
+    min_p: np.ndarray  # float32; 0 = off
+    processors: object = (
+        None  # LogitsProcessors: penalties, logit_bias, min_tokens (engine/logits_processors.py)
+    )
 
     @classmethod
     def empty(cls, capacity: int) -> SamplingTable:
@@ -46,6 +50,7 @@ class SamplingTable:
             seed=np.full(capacity, -1, np.int64),
             num_outputs=np.zeros(capacity, np.int32),
             logprobs=np.full(capacity, -1, np.int32),
+            min_p=np.zeros(capacity, np.float32),
         )
 
 

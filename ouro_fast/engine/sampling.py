@@ -39,6 +39,13 @@ class SamplingParams:
     # Log-probabilities of each sampled token and of the `logprobs` most likely ones (0: the sampled
     # token's alone), from the logits that chose it, before temperature; None: none.
     logprobs: int | None = None
+    # Logits processors, as vLLM applies them (engine/logits_processors.py), and min_p after temperature.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +89,18 @@ class SamplingParams:
         if self.logprobs is not None:
             ok = _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
             _check(ok, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
+        rep = self.repetition_penalty
+        _check(_is_real(rep) and 0 < rep <= 100, "repetition_penalty", "in (0, 100]", rep)
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        ok = _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens
+        _check(ok, "min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        bias = self.logit_bias or {}
+        ok = isinstance(bias, dict) and all(_is_int(t) and t >= 0 and _is_real(v) and -100 <= v <= 100
+                                            for t, v in bias.items())  # fmt: skip
+        _check(ok, "logit_bias", "a map of token ids to numbers in [-100, 100]", self.logit_bias)
         lo = 1 if self.min_loops is None else self.min_loops
         hi = num_loops if self.max_loops is None else self.max_loops
         _check(_is_int(lo) and 1 <= lo <= num_loops, "min_loops", f"an integer in [1, {num_loops}]", lo)
@@ -99,6 +118,18 @@ class SamplingParams:
         if self.logprobs is not None:
             ok = _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
             _check(ok, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
+        rep = self.repetition_penalty
+        _check(_is_real(rep) and 0 < rep <= 100, "repetition_penalty", "in (0, 100]", rep)
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        ok = _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens
+        _check(ok, "min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        bias = self.logit_bias or {}
+        ok = isinstance(bias, dict) and all(_is_int(t) and t >= 0 and _is_real(v) and -100 <= v <= 100
+                                            for t, v in bias.items())  # fmt: skip
+        _check(ok, "logit_bias", "a map of token ids to numbers in [-100, 100]", self.logit_bias)
         lo = 1 if self.min_loops is None else self.min_loops
         hi = num_loops if self.max_loops is None else self.max_loops
         q = default_threshold if self.exit_threshold is None else self.exit_threshold
@@ -167,8 +198,9 @@ class Sampler:
         top_k: torch.Tensor,
         seeds: list[int | None],
         output_index: list[int],
+        min_p: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """logits [R, V]; temperature, top_p, top_k [R] (on the CPU they cost no device sync);
+        """logits [R, V]; temperature, top_p, top_k, min_p [R] (on the CPU they cost no device sync);
         seeds and output_index: one entry per row. Returns int64 ids [R] on logits' device."""
         rows = logits.shape[0]
         if not (len(temperature) == len(top_p) == len(top_k) == len(seeds) == len(output_index) == rows):
@@ -176,7 +208,8 @@ class Sampler:
                 "temperature, top_p, top_k, seeds and output_index need one entry per logits row"
             )
         vocab = min(self.vocab_limit, logits.shape[1])
-        if self.fused and rows and self._plain(temperature, top_p, top_k, seeds):
+        uses_min_p = min_p is not None and bool((min_p > 0).any())
+        if self.fused and rows and not uses_min_p and self._plain(temperature, top_p, top_k, seeds):
             return self._fused_sample(logits, temperature, vocab)
         x = logits[:, :vocab].float()
         ids = x.argmax(dim=-1)
@@ -189,6 +222,8 @@ class Sampler:
         device = x.device
         index = torch.tensor(sampled, device=device)
         scaled = x[index] / temp_cpu[sampled].to(device)[:, None]
+        if uses_min_p:
+            scaled = _min_p(scaled, min_p.detach().to("cpu", torch.float32)[sampled].to(device))
         if bool((top_k_cpu > 0).any()) or bool((top_p_cpu < 1).any()):
             scaled = _top_k_top_p(scaled, top_k_cpu.to(device), top_p_cpu.to(device))
         noise = self._uniform_noise(
@@ -252,6 +287,13 @@ class Sampler:
         return noise
 
 
+def _min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Masks to -inf every token less probable than min_p times the likeliest one (after temperature)."""
+    probs = scaled.softmax(dim=-1)
+    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return scaled.masked_fill(~keep, -math.inf)
+
+
 def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Masks to -inf all but each row's top_k logits (k <= 0: all), then all but the smallest
     prefix of those, by probability, whose mass reaches top_p (always at least one token)."""
@@ -283,16 +325,24 @@ def sample_exited(
         h = h_last if rows.size == plan.num_rows else h_last[torch.from_numpy(rows).to(h_last.device)]
         logits = model.logits(h).float()
         s = plan.sampling
+        slots = plan.kv_slot[rows]
+        proc = s.processors
+        chosen = logits
+        if proc is not None and proc.any(rids):
+            chosen = proc.apply(logits, rids, slots, s.num_outputs[rids])
         seeds = [None if v < 0 else int(v) for v in s.seed[rids]]
         ids = sampler(
-            logits,
+            chosen,
             torch.from_numpy(s.temperature[rids]),
             torch.from_numpy(s.top_p[rids]),
             torch.from_numpy(s.top_k[rids]),
             seeds,
             s.num_outputs[rids].tolist(),
+            torch.from_numpy(s.min_p[rids]),
         )
         sampled[rows] = ids.cpu().numpy()
+        if proc is not None:
+            proc.count(rids, slots, sampled[rows])
         if (s.logprobs[rids] >= 0).any():
             logprobs = token_logprobs(logits, sampled[rows], rids, s.logprobs[rids], sampler.vocab_limit)
         if keep_logits:

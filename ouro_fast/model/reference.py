@@ -114,13 +114,16 @@ class DenseReference:
         threshold: float | None = None,
         min_loops: int = 1,
         max_loops: int | None = None,
+        choose=None,
     ) -> Generation:
-        """Greedy generation with per-token early exit and last-exited propagation."""
+        """Greedy generation with per-token early exit and last-exited propagation. `choose(logits, tokens)`
+        picks each token from the exit loop's logits and the tokens so far (default: the argmax)."""
         c = self.cfg
         threshold = c.early_exit_threshold if threshold is None else threshold
         max_loops = c.total_ut_steps if max_loops is None else max_loops
         self.reset()
         out = Generation()
+        self._choose = choose or (lambda logits, tokens: int(logits.argmax()))
         logits, gates = self.prefill(prompt)
         # The prompt ran every loop; its last token's output is read at the loop the rule picks.
         e = exit_loop(gates[:, -1].tolist(), threshold, min_loops, max_loops)
@@ -145,6 +148,6 @@ class DenseReference:
         if self.vocab_limit is not None:
             logits = logits.clone()
             logits[self.vocab_limit :] = float("-inf")
-        out.tokens.append(int(logits.argmax()))
+        out.tokens.append(self._choose(logits, out.tokens))
         out.exit_loops.append(loop)
         out.logits.append(logits)

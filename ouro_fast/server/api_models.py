@@ -54,7 +54,7 @@ class SamplingFields(ApiModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=100)
     min_tokens: int | None = Field(None, ge=0, le=_INT32_MAX)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
     length_penalty: float | None = None
     use_beam_search: bool | None = None
     stream: bool | None = None
@@ -121,14 +121,8 @@ class DetokenizeRequest(ApiModel):
 NEUTRAL: dict[str, tuple] = {
     "n": (1,),
     "best_of": (1,),
-    "repetition_penalty": (1.0,),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "min_tokens": (0,),
-    "min_p": (0.0,),
     "length_penalty": (1.0,),
     "use_beam_search": (False,),
-    "logit_bias": ({},),
     "include_stop_str_in_output": (False,),
     "echo": (False,),
     "prompt_logprobs": (),

@@ -170,14 +170,25 @@ def _options(req: SamplingFields) -> dict:
     names = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens", "min_loops",
              "max_loops", "exit_threshold", "stop_token_ids")  # fmt: skip
     opts = {name: getattr(req, name) for name in names if getattr(req, name) is not None}
+    for name, off in _PROCESSORS_OFF.items():  # the neutral values ask nothing of the processors
+        if getattr(req, name) not in (None, off):
+            opts[name] = getattr(req, name)
     if req.seed is not None and req.seed < 0:
         raise bad("seed", f"seed must be >= 0, got {req.seed}")
     if req.stop is not None:
         opts["stop"] = req.stop_strings()
+    if req.logit_bias:
+        if not all(k.isdigit() for k in req.logit_bias):
+            raise bad("logit_bias", "logit_bias keys must be token ids")
+        opts["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     logprobs = _logprobs(req)
     if logprobs is not None:
         opts["logprobs"] = logprobs
     return opts
+
+
+_PROCESSORS_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+                   "min_tokens": 0}  # fmt: skip
 
 
 def _logprobs(req: SamplingFields) -> int | None:
@@ -300,6 +311,9 @@ def sampling_params(req: GenerateRequest, prompt_len: int, info: ModelInfo):
             f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
             f"{info.max_request_tokens} tokens one request may hold (max_model_len {info.max_model_len})",
         )
+    bias = req.options.get("logit_bias") or {}
+    if any(t >= info.vocab_limit for t in bias):
+        raise bad("logit_bias", f"logit_bias token ids must be below {info.vocab_limit}")
     options = req.options
     if req.chat and info.end_of_turn_ids and not options.get("ignore_eos"):
         # A chat reply ends with its turn, whatever generation_config.json lists.

@@ -97,11 +97,20 @@ class RunAhead(Seating):
         return all(self._plain(int(rid)) for rid in plan.rid)
 
     def _plain(self, rid: int) -> bool:
-        # Sampling the device does alone: greedy or plain temperature, unseeded, few stop ids, no logprobs.
+        # Sampling the device does alone: greedy or plain temperature, unseeded, few stop ids, no logprobs,
+        # no logits processors.
         req = self.requests[rid]
         p = req.params
-        plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0)
-        return p.seed is None and plain and len(req.eos_ids) <= MAX_STOP_IDS and p.logprobs is None
+        plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p == 0)
+        processed = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or p.logit_bias
+        processed = processed or p.min_tokens
+        return (
+            p.seed is None
+            and plain
+            and len(req.eos_ids) <= MAX_STOP_IDS
+            and p.logprobs is None
+            and not processed
+        )
 
     @torch.inference_mode()
     def start(self, plan: StepPlan) -> bool:
