@@ -340,7 +340,8 @@ BAD = [
     (C, {"prompt": [10**6]}, 400, "prompt"),
     (C, {"prompt": [1.5]}, 400, "prompt"),
     (C, {"prompt": [True]}, 400, "prompt"),
-    (C, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (C, {"prompt": ["a", ""]}, 400, "prompt"),
+    (C, {"prompt": ["a", [1, -1]]}, 400, "prompt"),
     (C, {"prompt": 123}, 400, "prompt"),
     (C, {"prompt": {"text": "x"}}, 400, "prompt"),
     (C, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
@@ -356,10 +357,11 @@ BAD = [
     (C, {"prompt": "x", "top_k": 2**40}, 400, "top_k"),
     (C, {"prompt": "x", "seed": -1}, 400, "seed"),
     (C, {"prompt": "x", "seed": 2**70}, 400, "seed"),
-    (C, {"prompt": "x", "n": 2}, 400, "n"),
+    (C, {"prompt": "x", "n": 0}, 400, "n"),
     (C, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     (C, {"prompt": "x", "logprobs": True}, 400, "logprobs"),
     (C, {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    (C, {"prompt": "x", "n": 2000}, 400, "n"),
     (C, {"prompt": "x", "echo": True}, 400, "echo"),
     (C, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     (C, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
@@ -502,6 +504,37 @@ def test_penalties_bias_and_min_tokens_reach_the_engine(server, llm):
     extra["logit_bias"] = {5: 4.0}
     assert text == offline(llm, "Hello there", **params, **extra)[0]
     assert text != plain["choices"][0]["text"]
+
+
+def test_prompt_lists_and_n(server, llm):
+    """Choice i*n + j is prompt i's j-th; usage counts each prompt once and every choice's tokens."""
+    params = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = ["Hello", "Bye now"]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = http.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "n": 2, **params}).json()
+        texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+        want = [offline(llm, p, **params)[0] for p in prompts]
+        assert texts == [want[0], want[0], want[1], want[1]]  # greedy: a prompt's choices agree
+        ids = [llm.engine.tokenizer.encode(p) for p in prompts]
+        assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "completion_tokens": 16, "total_tokens":
+                                 sum(map(len, ids)) + 16}  # fmt: skip
+        # Seeded sampling: the choices differ, and the request is reproducible.
+        sampled = {"model": MODEL, "prompt": "Hello", "n": 3, "max_tokens": 8, "temperature": 1.0, "seed": 5}
+        a = [c["text"] for c in http.post("/v1/completions", json=sampled).json()["choices"]]
+        b = [c["text"] for c in http.post("/v1/completions", json=sampled).json()["choices"]]
+        assert a == b and len(set(a)) > 1
+        stream = {**sampled, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = _sse(http.post("/v1/completions", json=stream))
+        by_index = {}
+        for c in chunks[:-1]:
+            for ch in c["choices"]:
+                by_index[ch["index"]] = by_index.get(ch["index"], "") + ch["text"]
+        assert [by_index[i] for i in range(3)] == a and chunks[-1]["usage"]["completion_tokens"] == 24
+        msgs = [{"role": "user", "content": "Hi"}]
+        chat = http.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "n": 2, **params}
+        ).json()
+        assert [c["index"] for c in chat["choices"]] == [0, 1]
 
 
 def test_unknown_fields_are_ignored_and_logged(server):

@@ -85,16 +85,21 @@ def test_completion_defaults_and_neutral_fields():
             "stream_options": {"include_usage": True}, "ignore_eos": True, "stop": "x",
             "user": "u"}  # fmt: skip
     req = protocol.parse_completion(body, INFO)
-    assert (req.model, req.prompt, req.max_tokens, req.stream, req.include_usage) == (
+    assert (req.model, req.prompts, req.max_tokens, req.stream, req.include_usage, req.n) == (
         "alias",
-        "hi",
+        ["hi"],
         16,
         True,
         True,
+        1,
     )
     assert req.options == {"ignore_eos": True, "stop": ["x"]}
     req = protocol.parse_completion({"prompt": [[1, 2]], "exit_threshold": 0.5, "max_loops": 2}, INFO)
-    assert (req.model, req.prompt, req.stream, req.include_usage) == ("m", [1, 2], False, False)
+    assert (req.model, req.prompts, req.stream, req.include_usage) == ("m", [[1, 2]], False, False)
+    batch = protocol.parse_completion({"prompt": ["a", "b"], "n": 3, "best_of": 3}, INFO)
+    assert (batch.prompts, batch.n) == (["a", "b"], 3)
+    batch = protocol.parse_completion({"prompt": [[3, 4], [5]]}, INFO)
+    assert batch.prompts == [[3, 4], [5]]
     params = protocol.sampling_params(req, 2, INFO)
     assert (params.max_tokens, params.exit_threshold, params.max_loops) == (16, 0.5, 2)
 
@@ -119,7 +124,7 @@ def test_length_and_chat_limits():
         protocol.sampling_params(req, 9, INFO)  # 9 + 40 > 48
     assert e.value.status == 400 and e.value.param == "max_tokens"
     chat = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}]}, INFO, lambda *a, **k: "T")
-    assert chat.prompt == "T" and chat.max_tokens is None
+    assert chat.prompts == ["T"] and chat.max_tokens is None
     assert protocol.sampling_params(chat, 10, INFO).max_tokens == 38  # the room the context leaves
     both = {"messages": [], "max_tokens": 5, "max_completion_tokens": 7}
     assert protocol.parse_chat(both, INFO, lambda *a, **k: "T").max_tokens == 7

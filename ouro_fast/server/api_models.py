@@ -119,8 +119,6 @@ class DetokenizeRequest(ApiModel):
 
 # Declared fields whose feature the engine does not have yet: the values that ask nothing of it.
 NEUTRAL: dict[str, tuple] = {
-    "n": (1,),
-    "best_of": (1,),
     "length_penalty": (1.0,),
     "use_beam_search": (False,),
     "include_stop_str_in_output": (False,),

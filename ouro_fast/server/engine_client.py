@@ -150,6 +150,13 @@ class EngineClient:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
+    def require_room(self, count: int) -> None:
+        """429 unless `count` more requests fit the in-flight bound: a request's choices enter together."""
+        if len(self.handles) + count > self.config.max_in_flight:
+            self.metrics.rejected("overload")
+            raise ApiError(429, f"the server is full ({len(self.handles)} requests in flight); retry later",
+                           code="server_overloaded", retry_after=1)  # fmt: skip
+
     def submit(self, prompt_ids: list[int], params, transport) -> RequestHandle:
         """Admit a request (429 when full, 503 when not serving); its outputs arrive on the handle."""
         self.require_ready()

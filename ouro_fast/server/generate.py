@@ -1,14 +1,16 @@
-"""Serving one completion or chat request: tokenize, submit, then stream or collect the outputs.
+"""Serving one completion or chat request: tokenize, submit its choices, then stream or collect the outputs.
 
-A request that fails before any output (rejected by the engine, or ended by an
-engine failure or shutdown) is answered with an HTTP error status; a stream that
-fails after its first chunk gets an error event and is cut (no `[DONE]`), so
-clients count it as failed. A client that disconnects has its request aborted.
+A request asks for `n` choices of each of its prompts (completions may send a list of prompts); each choice
+is one engine request, and choice i*n + j is prompt i's j-th. A request that fails before any output
+(rejected by the engine, or ended by an engine failure or shutdown) is answered with an HTTP error status;
+a stream that fails after its first chunk gets an error event and is cut (no `[DONE]`), so clients count it
+as failed. A client that disconnects has every choice aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from sanic.response import HTTPResponse
@@ -21,25 +23,47 @@ from .protocol import ApiError, GenerateRequest
 
 async def serve(request, client: EngineClient, req: GenerateRequest) -> HTTPResponse | None:
     info = client.require_ready()
-    if isinstance(req.prompt, list):
-        prompt_ids = req.prompt
-    else:
-        # Too long for any request: refused from its length, before tokenizing costs the event loop.
-        protocol.check_prompt_chars(len(req.prompt), info, "messages" if req.chat else "prompt")
-        prompt_ids = await client.encode(req.prompt)
-    params = protocol.sampling_params(req, len(prompt_ids), info)
+    where = "messages" if req.chat else "prompt"
+    prompts = []
+    for prompt in req.prompts:
+        if isinstance(prompt, str):
+            # Too long for any request: refused from its length, before tokenizing costs the event loop.
+            protocol.check_prompt_chars(len(prompt), info, where)
+            prompt = await client.encode(prompt)
+        prompts.append(prompt)
+    params = [protocol.sampling_params(req, len(ids), info) for ids in prompts]
     rid = protocol.request_id(request.headers.get("x-request-id"), req.chat)
     request.ctx.submitted = True  # from here on, a refusal is the engine's, counted by the client
-    handle = client.submit(prompt_ids, params, request.transport)
+    handles = _submit(client, request, prompts, params, req.n)
     try:
         if req.stream:
-            return await _stream(request, handle, req, rid, client.token_text)
-        return await _collect(handle, req, rid, client.token_text)
+            return await _stream(request, handles, req, rid, client.token_text, prompts)
+        return await _collect(handles, req, rid, client.token_text, prompts)
     except asyncio.CancelledError:
-        client.abort(handle, "disconnect")
+        for handle in handles:
+            client.abort(handle, "disconnect")
         raise
     finally:
-        client.release(handle)
+        for handle in handles:
+            client.release(handle)
+
+
+def _submit(client: EngineClient, request, prompts: list, params: list, n: int) -> list[RequestHandle]:
+    """One engine request per choice, all or none: a refusal aborts the choices already submitted."""
+    client.require_room(len(prompts) * n)
+    handles: list[RequestHandle] = []
+    try:
+        for ids, p in zip(prompts, params):
+            for j in range(n):
+                # Seeded choices differ from one another, and each is reproducible.
+                choice = p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)
+                handles.append(client.submit(ids, choice, request.transport))
+    except ApiError:
+        for handle in handles:
+            client.abort(handle, "disconnect")
+            client.release(handle)
+        raise
+    return handles
 
 
 def json_response(body: dict, status: int = 200, headers: dict | None = None) -> HTTPResponse:
@@ -72,8 +96,12 @@ def _merge(outs: list) -> tuple[str, list[int], list, object]:
     return text, ids, lps, final
 
 
-async def _collect(handle: RequestHandle, req: GenerateRequest, rid: str, decode) -> HTTPResponse:
-    created = int(time.time())
+def _usage(req: GenerateRequest, prompts: list, finals: list) -> dict:
+    # Each prompt counts once, whatever n; every choice's tokens count.
+    return protocol.usage(sum(len(p) for p in prompts), sum(f.completion_tokens for f in finals))
+
+
+async def _collect_one(handle: RequestHandle) -> tuple[str, list[int], list, object]:
     parts: list[str] = []
     ids: list[int] = []
     lps: list = []
@@ -87,45 +115,77 @@ async def _collect(handle: RequestHandle, req: GenerateRequest, rid: str, decode
         ids += new
         lps += new_lps
         if final is not None:
-            break
-    if final.finish_reason == "error":
-        raise ApiError(500, final.error or "the engine failed", code="engine_error")
-    logprobs = protocol.logprobs_body(req, ids, lps, decode)
-    body = protocol.completion_response(rid, created, req, "".join(parts), final.finish_reason,
-                                        final.prompt_tokens, final.completion_tokens, logprobs)  # fmt: skip
-    return json_response(body)
+            if final.finish_reason == "error":
+                raise ApiError(500, final.error or "the engine failed", code="engine_error")
+            return "".join(parts), ids, lps, final
 
 
-async def _stream(request, handle: RequestHandle, req: GenerateRequest, rid: str, decode) -> None:
+async def _collect(handles: list[RequestHandle], req: GenerateRequest, rid: str, decode, prompts: list):
     created = int(time.time())
-    outs = await handle.next()
+    results = await asyncio.gather(*(_collect_one(h) for h in handles))
+    choices = [
+        protocol.choice(req, i, text, final.finish_reason, protocol.logprobs_body(req, ids, lps, decode))
+        for i, (text, ids, lps, final) in enumerate(results)
+    ]
+    usage = _usage(req, prompts, [final for *_, final in results])
+    return json_response(protocol.completion_response(rid, created, req, choices, usage))
+
+
+async def _stream(
+    request, handles: list[RequestHandle], req: GenerateRequest, rid: str, decode, prompts: list
+):
+    created = int(time.time())
+    # One slot: a pump waits while the client reads slowly, so each choice's own bounded queue fills and
+    # the engine client drops a client that falls behind, as it would with one choice.
+    merged: asyncio.Queue = asyncio.Queue(maxsize=1)
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        while True:
+            outs = await handle.next()
+            await merged.put((index, outs))
+            if outs[-1].finished or isinstance(outs[0], Rejected):
+                return
+
+    pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        await _send_stream(request, merged, len(handles), req, rid, created, decode, prompts)
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+async def _send_stream(request, merged, count: int, req, rid: str, created: int, decode, prompts: list):
+    index, outs = await merged.get()
     # Errors before the first token are real HTTP errors: the response has not started.
     error = _failure(outs, False)
     if error is not None:
         raise error
     resp = await request.respond(content_type=stream.CONTENT_TYPE, headers=stream.HEADERS)
-    first, offset = True, 0
+    first, offset, finals = [True] * count, [0] * count, {}
     while True:
-        text, ids, lps, final = _merge(outs)
-        if final is not None and final.finish_reason == "error":
-            err = ApiError(500, final.error or "the engine failed", code="engine_error")
+        failed = _failure(outs, True) if isinstance(outs[0], Rejected) else None  # a later choice refused
+        text, ids, lps, final = ("", [], [], None) if failed else _merge(outs)
+        if failed or (final is not None and final.finish_reason == "error"):
+            err = failed or ApiError(500, final.error or "the engine failed", code="engine_error")
             await resp.send(stream.event(err.body()))
             # Cut the connection (no terminating chunk): clients must see this request as failed.
             request.transport.close()
             return
         if ids or text or final is not None:
-            logprobs = protocol.logprobs_body(req, ids, lps, decode, offset)
-            offset += len(text)
-            chunk = protocol.stream_chunk(
-                rid, created, req, text, final and final.finish_reason, first, logprobs
-            )
+            logprobs = protocol.logprobs_body(req, ids, lps, decode, offset[index])
+            offset[index] += len(text)
+            finish = final.finish_reason if final is not None else None
+            chunk = protocol.stream_chunk(rid, created, req, index, text, finish, first[index], logprobs)
             await resp.send(stream.event(chunk))
-            first = False
+            first[index] = False
         if final is not None:
-            break
-        outs = await handle.next()
+            finals[index] = final
+            if len(finals) == count:
+                break
+        index, outs = await merged.get()
     if req.include_usage:
-        await resp.send(stream.event(protocol.usage_chunk(rid, created, req, final.prompt_tokens,
-                                                          final.completion_tokens)))  # fmt: skip
+        await resp.send(
+            stream.event(protocol.usage_chunk(rid, created, req, _usage(req, prompts, finals.values())))
+        )
     await resp.send(stream.DONE)
     await resp.eof()

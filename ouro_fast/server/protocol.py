@@ -95,12 +95,13 @@ class GenerateRequest:
 
     chat: bool
     model: str
-    prompt: str | list[int]  # text (chat: the templated conversation) or token ids
+    prompts: list[str | list[int]]  # each: text (chat: the templated conversation) or token ids
     options: dict  # SamplingParams keyword arguments, max_tokens excluded
     max_tokens: int | None  # None: whatever room the context leaves (chat default)
     stream: bool
     include_usage: bool
     logprobs: int | None = None  # top log-probabilities per token to report; None: no logprobs
+    n: int = 1  # choices per prompt
 
 
 # ---- JSON in -------------------------------------------------------------------
@@ -210,17 +211,26 @@ def _token_ids(ids: list[int], info: ModelInfo, param: str) -> list[int]:
     return ids
 
 
-def _prompt(prompt: str | list, info: ModelInfo) -> str | list[int]:
-    # A batch of exactly one prompt is that prompt.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("prompt", "prompt is empty")
-        return prompt
-    if prompt and isinstance(prompt[0], (str, list)):
-        raise bad("prompt", "one prompt per request: batched prompts are not supported yet")
-    return _token_ids(prompt, info, "prompt")
+def _prompts(prompt: str | list, info: ModelInfo) -> list[str | list[int]]:
+    """A completion's prompts: one text, one list of token ids, or a list of either."""
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    out = []
+    for p in batch:
+        if isinstance(p, str):
+            if not p:
+                raise bad("prompt", "prompt is empty")
+            out.append(p)
+        else:
+            out.append(_token_ids(p, info, "prompt"))
+    return out
+
+
+def _choices(req: SamplingFields) -> int:
+    n = req.n or 1
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise bad("best_of", f"best_of must equal n ({n}): ouro_fast returns every sequence it generates")
+    return n
 
 
 def _stream(req: SamplingFields) -> tuple[bool, bool]:
@@ -233,12 +243,12 @@ def parse_completion(body: dict, info: ModelInfo) -> GenerateRequest:
     req = _validate(CompletionRequest, body)
     _check_supported(req)
     model = _model(req.model, info)
-    prompt = _prompt(req.prompt, info)
+    prompts = _prompts(req.prompt, info)
     stream, include_usage = _stream(req)
     return GenerateRequest(
-        chat=False, model=model, prompt=prompt, options=_options(req),
+        chat=False, model=model, prompts=prompts, options=_options(req),
         max_tokens=16 if req.max_tokens is None else req.max_tokens, stream=stream,
-        include_usage=include_usage, logprobs=req.logprobs,
+        include_usage=include_usage, logprobs=req.logprobs, n=_choices(req),
     )  # fmt: skip
 
 
@@ -262,8 +272,8 @@ def parse_chat(body: dict, info: ModelInfo, template: Callable[..., str]) -> Gen
     # The newer OpenAI name wins, as in OpenAI's own API.
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return GenerateRequest(
-        chat=True, model=model, prompt=prompt, options=_options(req), max_tokens=max_tokens,
-        stream=stream, include_usage=include_usage, logprobs=_logprobs(req),
+        chat=True, model=model, prompts=[prompt], options=_options(req), max_tokens=max_tokens,
+        stream=stream, include_usage=include_usage, logprobs=_logprobs(req), n=_choices(req),
     )  # fmt: skip
 
 
@@ -406,33 +416,36 @@ def logprobs_body(req: GenerateRequest, tokens: list[int], lps: list, decode: Ca
             "text_offset": offsets}  # fmt: skip
 
 
-def completion_response(rid: str, created: int, req: GenerateRequest, text: str, finish: str | None,
-                        prompt_tokens: int, completion_tokens: int,
-                        logprobs: dict | None = None) -> dict:  # fmt: skip
-    """The non-streaming response body."""
+def choice(req: GenerateRequest, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+    """One choice of a non-streaming response."""
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish}  # fmt: skip
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion_response(
+    rid: str, created: int, req: GenerateRequest, choices: list[dict], usage: dict
+) -> dict:
+    """The non-streaming response body."""
     return {
         "id": rid,
         "object": "chat.completion" if req.chat else "text_completion",
         "created": created,
         "model": req.model,
-        "choices": [choice],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "choices": choices,
+        "usage": usage,
     }
 
 
-def stream_chunk(rid: str, created: int, req: GenerateRequest, text: str, finish: str | None,
+def stream_chunk(rid: str, created: int, req: GenerateRequest, index: int, text: str, finish: str | None,
                  first: bool, logprobs: dict | None = None) -> dict:  # fmt: skip
-    """One streamed text chunk; the chat role rides on the first chunk, with the first text."""
+    """One streamed chunk of choice `index`; the chat role rides on its first chunk, with the first text."""
     if req.chat:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {
         "id": rid,
         "object": "chat.completion.chunk" if req.chat else "text_completion",
@@ -442,9 +455,7 @@ def stream_chunk(rid: str, created: int, req: GenerateRequest, text: str, finish
     }
 
 
-def usage_chunk(
-    rid: str, created: int, req: GenerateRequest, prompt_tokens: int, completion_tokens: int
-) -> dict:
+def usage_chunk(rid: str, created: int, req: GenerateRequest, usage: dict) -> dict:
     """The last chunk when stream_options.include_usage: no choices, only usage."""
     return {
         "id": rid,
@@ -452,7 +463,7 @@ def usage_chunk(
         "created": created,
         "model": req.model,
         "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage,
     }
 
 
