@@ -461,3 +461,24 @@ def test_min_p_keeps_only_tokens_near_the_likeliest(model_dir):
         engine.add_request("x", [1], SamplingParams(min_p=1.5))
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request("y", [1], SamplingParams(logit_bias={engine.vocab_limit: 1.0}))
+
+
+def test_prompt_logprobs_match_the_dense_reference(model_dir):
+    """Each prompt token's log-probability given the tokens before it, from the prompt's last loop, whatever
+    the chunking or the batch; the first token has none."""
+    prompts = [PROMPTS[2], PROMPTS[3], list(range(5, 30))]
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", max_num_batched_tokens=7))  # chunked prefill
+    params = SamplingParams(
+        max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3, exit_threshold=0.5
+    )
+    got = run(engine, prompts, params)
+    ref = DenseReference(dict(engine.model.state_dict()), engine.model_config, 128, engine.vocab_limit)
+    v = engine.vocab_limit
+    for prompt, req in zip(prompts, got):
+        logits, _ = ref.prefill(prompt)
+        want = torch.log_softmax(logits[-1, :-1, :v].float(), dim=-1)  # the last loop, positions 0..n-2
+        assert len(req.prompt_logprobs) == len(prompt) - 1
+        for i, lp in enumerate(req.prompt_logprobs):
+            assert abs(lp.logprob - float(want[i, prompt[i + 1]])) < 1e-3
+            assert lp.top_ids == want[i].topk(3).indices.tolist()
+        assert req.exit_loops == [3, 3]  # asking for prompt logprobs runs the request at full depth

@@ -362,7 +362,9 @@ BAD = [
     (C, {"prompt": "x", "logprobs": True}, 400, "logprobs"),
     (C, {"prompt": "x", "best_of": 2}, 400, "best_of"),
     (C, {"prompt": "x", "n": 2000}, 400, "n"),
-    (C, {"prompt": "x", "echo": True}, 400, "echo"),
+    (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (C, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
+    (C, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     (C, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     (C, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     (C, {"prompt": "x", "frequency_penalty": "1"}, 400, "frequency_penalty"),
@@ -535,6 +537,50 @@ def test_prompt_lists_and_n(server, llm):
             "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "n": 2, **params}
         ).json()
         assert [c["index"] for c in chat["choices"]] == [0, 1]
+
+
+def test_echo_and_prompt_logprobs(server, llm):
+    """What lm-evaluation-harness asks for a loglikelihood: the prompt echoed with each token's logprob."""
+    tok = llm.engine.tokenizer
+    text = "The cat sat on the mat"
+    ids = tok.encode(text)
+    # The offline engine's prompt logprobs are the reference.
+    want = llm.engine
+    want.add_request("ref", ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    ref = None
+    while ref is None:
+        ref = next((o for o in want.step() if o.finished), None)
+    expected = [lp.logprob for lp in ref.request.prompt_logprobs]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {
+            "model": MODEL,
+            "prompt": text,
+            "max_tokens": 0,
+            "echo": True,
+            "logprobs": 1,
+            "temperature": 0,
+        }
+        r = http.post("/v1/completions", json=body).json()
+        c = r["choices"][0]
+        assert c["text"] == text and r["usage"]["completion_tokens"] == 0
+        lp = c["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
+        assert len(lp["tokens"]) == len(ids) and lp["text_offset"][0] == 0
+        # echo with a reply: the prompt's tokens, then the reply's.
+        body.update(max_tokens=2, ignore_eos=True)
+        c = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert c["text"].startswith(text) and len(c["logprobs"]["tokens"]) == len(ids) + 2
+        # vLLM's prompt_logprobs field, without echo.
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+        c = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == len(ids)
+        first = c["prompt_logprobs"][1][str(ids[1])]
+        assert first["logprob"] == pytest.approx(expected[0], abs=1e-5) and first["rank"] >= 1
+        # Streamed echo without logprobs: the prompt leads the stream.
+        chunks = _sse(http.post("/v1/completions", json={"model": MODEL, "prompt": text, "echo": True,
+                                                          "max_tokens": 2, "stream": True}))  # fmt: skip
+        assert "".join(ch["choices"][0]["text"] for ch in chunks).startswith(text)
 
 
 def test_unknown_fields_are_ignored_and_logged(server):

@@ -55,6 +55,7 @@ class Request:
     exit_loops: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # TokenLogprobs of each output token, when asked for
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token from the second on, when asked for
     text: str = ""
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -179,6 +180,10 @@ class Engine:
         params.validate(self.num_loops)
         self._check_prompt(prompt_ids, params)
         lo, hi, q = params.exit_policy(self.num_loops, self.model_config.early_exit_threshold)
+        if params.prompt_logprobs is not None:
+            lo = hi = (
+                self.num_loops
+            )  # prompt logprobs come from the prompt's last loop: no token may end it sooner
         if q >= 1.0:
             lo = hi  # never exits early: no exit check (and no device sync) before the last loop
         cap = len(prompt_ids) + params.max_tokens
@@ -195,6 +200,10 @@ class Engine:
             s.num_outputs[rid] = 0
             s.logprobs[rid] = -1 if params.logprobs is None else params.logprobs
             s.min_p[rid] = params.min_p
+            s.prompt_logprobs[rid] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+            s.prompt_done[rid] = 0
+            if params.prompt_logprobs is not None:
+                s.prompts[rid] = np.asarray(req.prompt_ids, np.int32)
             s.processors.add(rid, params, req.prompt_ids, req.output_ids, req.eos_ids)
             self.detok.add(rid, req.prompt_ids, params.skip_special_tokens, params.stop)
         except Exception:
@@ -277,6 +286,8 @@ class Engine:
     def _apply(self, plan: StepPlan, result: StepResult, host_s: float, model_s: float) -> None:
         """The scheduler takes a step's result; new tokens become outputs (stop conditions, text)."""
         t0 = time.perf_counter()
+        for rid, entries in (result.prompt_logprobs or {}).items():
+            self.by_rid[rid].prompt_logprobs.extend(lp for _, lp in entries)
         events = self.scheduler.update(result)
         t1 = time.perf_counter()
         self.pending += self._outputs(events, plan, result)
@@ -326,6 +337,7 @@ class Engine:
     ) -> StepOutput:
         self.scheduler.finish(req.rid)  # no-op when the scheduler already freed it (length cap)
         self.scheduler.sampling.processors.remove(req.rid)
+        self.scheduler.sampling.prompts.pop(req.rid, None)
         delta += self.detok.finish(req.rid)
         if reason == "length" and self.detok.stopped(req.rid):
             reason = "stop"  # the final flush revealed a stop string

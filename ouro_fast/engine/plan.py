@@ -37,9 +37,11 @@ class SamplingTable:
     num_outputs: np.ndarray  # int32: tokens generated so far (a seeded request's noise is keyed by it)
     logprobs: np.ndarray  # int32: top log-probabilities to report per token; -1 = none, 0 = the sampled one
     min_p: np.ndarray  # float32; 0 = off
-    processors: object = (
-        None  # LogitsProcessors: penalties, logit_bias, min_tokens (engine/logits_processors.py)
-    )
+    prompt_logprobs: np.ndarray  # int32: top log-probabilities to report per prompt token; -1 = none
+    prompt_done: np.ndarray  # int32: prompt positions already reported (a recomputation skips them)
+    prompts: dict  # rid -> prompt ids, for the requests that want prompt logprobs
+    # LogitsProcessors: penalties, logit_bias, min_tokens (engine/logits_processors.py).
+    processors: object = None
 
     @classmethod
     def empty(cls, capacity: int) -> SamplingTable:
@@ -51,6 +53,9 @@ class SamplingTable:
             num_outputs=np.zeros(capacity, np.int32),
             logprobs=np.full(capacity, -1, np.int32),
             min_p=np.zeros(capacity, np.float32),
+            prompt_logprobs=np.full(capacity, -1, np.int32),
+            prompt_done=np.zeros(capacity, np.int32),
+            prompts={},
         )
 
 
@@ -133,6 +138,7 @@ class StepResult:
     sampled: np.ndarray  # int32 [R]: the sampled next token of an exited row (undefined otherwise)
     logits: dict[int, torch.Tensor] | None = None  # row -> float32 logits of its exit (keep_logits only)
     logprobs: dict[int, TokenLogprobs] | None = None  # rid -> its new token's log-probabilities, when asked
+    prompt_logprobs: dict[int, list] | None = None  # rid -> [(prompt position, TokenLogprobs)] reported now
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from ..model.attention import PagedBatch, PagedTorchAttention, allocate_kv_cache
 from ..model.exit_rule import exit_mask, update_log_survival
 from ..model.ouro import OuroForCausalLM
 from .plan import StepPlan, StepResult
-from .sampling import Sampler, sample_exited
+from .sampling import Sampler, prompt_logprobs, sample_exited
 
 
 class ReferenceRunner:
@@ -38,6 +38,7 @@ class ReferenceRunner:
         self.attn = PagedTorchAttention(self.kv_cache)
         self.sampler = Sampler(vocab_limit, device, seed)
         self.keep_logits = keep_logits
+        self.num_loops = cfg.total_ut_steps
         self.prev_hidden = torch.zeros(0, cfg.hidden_size, dtype=dtype, device=device)
         self.prev_log_surv = torch.zeros(0, dtype=torch.float32, device=device)
 
@@ -98,4 +99,8 @@ class ReferenceRunner:
         surv[last] = log_surv
         self.prev_log_surv = surv
         exited = exits.to(torch.uint8).cpu().numpy()
-        return sample_exited(self.model, self.sampler, plan, h[last], exited, self.keep_logits)
+        result = sample_exited(self.model, self.sampler, plan, h[last], exited, self.keep_logits)
+        result.prompt_logprobs = prompt_logprobs(
+            self.model, plan, h, self.num_loops, self.sampler.vocab_limit
+        )
+        return result

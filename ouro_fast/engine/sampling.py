@@ -39,6 +39,8 @@ class SamplingParams:
     # Log-probabilities of each sampled token and of the `logprobs` most likely ones (0: the sampled
     # token's alone), from the logits that chose it, before temperature; None: none.
     logprobs: int | None = None
+    # The same for each prompt token (from the prompt's last loop; the first token has none); None: none.
+    prompt_logprobs: int | None = None
     # Logits processors, as vLLM applies them (engine/logits_processors.py), and min_p after temperature.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -86,9 +88,11 @@ class SamplingParams:
             "a list of integers >= 0",
             self.stop_token_ids,
         )
-        if self.logprobs is not None:
-            ok = _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
-            _check(ok, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                ok = _is_int(value) and 0 <= value <= MAX_LOGPROBS
+                _check(ok, name, f"an integer in [0, {MAX_LOGPROBS}]", value)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_real(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
@@ -115,9 +119,11 @@ class SamplingParams:
 
     def exit_policy(self, num_loops: int, default_threshold: float) -> tuple[int, int, float]:
         """(min_loops, max_loops, exit_threshold) with the model defaults filled in."""
-        if self.logprobs is not None:
-            ok = _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
-            _check(ok, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                ok = _is_int(value) and 0 <= value <= MAX_LOGPROBS
+                _check(ok, name, f"an integer in [0, {MAX_LOGPROBS}]", value)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_real(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
@@ -368,3 +374,33 @@ def token_logprobs(
         n = int(wanted[r])
         out[int(rids[r])] = TokenLogprobs(chosen[i], rank[i], top_ids[i][:n], top_lp[i][:n])
     return out
+
+
+def prompt_logprobs(model, plan: StepPlan, hidden: torch.Tensor, num_loops: int, vocab: int) -> dict | None:
+    """rid -> [(position, TokenLogprobs)] of the prompt tokens whose predicting position this step finished:
+    the rows of requests that want prompt logprobs, at the prompt's last loop. hidden [N, ...]: the step's
+    output per token. Positions already reported (a recomputed prompt) are not reported again."""
+    s = plan.sampling
+    table = s.prompt_logprobs
+    rows = [
+        r
+        for r in np.flatnonzero(plan.loop == num_loops - 1)
+        if table[plan.rid[r]] >= 0 and not plan.decode[r]
+    ]
+    out: dict[int, list] = {}
+    for r in rows:
+        rid = int(plan.rid[r])
+        prompt = s.prompts[rid]
+        start, length, off = int(plan.start[r]), int(plan.length[r]), int(plan.tok_off[r])
+        # Position p's logits predict prompt token p + 1; the prompt's last position predicts the reply.
+        first = max(start, int(s.prompt_done[rid]))
+        last = min(start + length, len(prompt) - 1)
+        if last <= first:
+            continue
+        targets = np.asarray(prompt[first + 1 : last + 1], np.int32)
+        logits = model.logits(hidden[off + first - start : off + last - start]).float()
+        wanted = np.full(len(targets), table[rid], np.int32)
+        lps = token_logprobs(logits, targets, np.arange(len(targets)), wanted, vocab)
+        out[rid] = [(first + 1 + i, lps[i]) for i in range(len(targets))]
+        s.prompt_done[rid] = last
+    return out or None

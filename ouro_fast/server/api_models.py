@@ -84,6 +84,7 @@ class SamplingFields(ApiModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=_INT32_MAX)  # 0: with echo, the prompt alone
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -122,8 +123,6 @@ NEUTRAL: dict[str, tuple] = {
     "length_penalty": (1.0,),
     "use_beam_search": (False,),
     "include_stop_str_in_output": (False,),
-    "echo": (False,),
-    "prompt_logprobs": (),
     "suffix": (),
     "tools": ([],),
     "tool_choice": ("none",),

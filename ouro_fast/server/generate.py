@@ -96,9 +96,10 @@ def _merge(outs: list) -> tuple[str, list[int], list, object]:
     return text, ids, lps, final
 
 
-def _usage(req: GenerateRequest, prompts: list, finals: list) -> dict:
-    # Each prompt counts once, whatever n; every choice's tokens count.
-    return protocol.usage(sum(len(p) for p in prompts), sum(f.completion_tokens for f in finals))
+def _usage(req: GenerateRequest, prompts: list, finals) -> dict:
+    # Each prompt counts once, whatever n; every choice's tokens count (none for max_tokens 0).
+    tokens = sum(f.completion_tokens for f in finals) if req.generate else 0
+    return protocol.usage(sum(len(p) for p in prompts), tokens)
 
 
 async def _collect_one(handle: RequestHandle) -> tuple[str, list[int], list, object]:
@@ -123,12 +124,29 @@ async def _collect_one(handle: RequestHandle) -> tuple[str, list[int], list, obj
 async def _collect(handles: list[RequestHandle], req: GenerateRequest, rid: str, decode, prompts: list):
     created = int(time.time())
     results = await asyncio.gather(*(_collect_one(h) for h in handles))
-    choices = [
-        protocol.choice(req, i, text, final.finish_reason, protocol.logprobs_body(req, ids, lps, decode))
-        for i, (text, ids, lps, final) in enumerate(results)
-    ]
-    usage = _usage(req, prompts, [final for *_, final in results])
+    choices, tokens = [], 0
+    for i, (text, ids, lps, final) in enumerate(results):
+        prompt = prompts[i // req.n]
+        if not req.generate:  # max_tokens 0: the one token made to run the prompt is no part of the reply
+            text, ids, lps = "", [], []
+        tokens += len(ids)
+        prompt_lps = list(final.request.prompt_logprobs) if final.request is not None else []
+        if req.echo:
+            text = _prompt_text(req, i, prompt, decode) + text
+            ids, lps = prompt + ids, [None, *prompt_lps] + lps
+        body = protocol.choice(
+            req, i, text, final.finish_reason, protocol.logprobs_body(req, ids, lps, decode)
+        )
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = protocol.prompt_logprobs_body(prompt, prompt_lps, decode)
+        choices.append(body)
+    usage = protocol.usage(sum(len(p) for p in prompts), tokens)  # each prompt once, whatever n
     return json_response(protocol.completion_response(rid, created, req, choices, usage))
+
+
+def _prompt_text(req: GenerateRequest, index: int, prompt: list[int], decode) -> str:
+    given = req.prompts[index // req.n]
+    return given if isinstance(given, str) else "".join(decode(t) for t in prompt)
 
 
 async def _stream(
@@ -162,9 +180,16 @@ async def _send_stream(request, merged, count: int, req, rid: str, created: int,
         raise error
     resp = await request.respond(content_type=stream.CONTENT_TYPE, headers=stream.HEADERS)
     first, offset, finals = [True] * count, [0] * count, {}
+    if req.echo:  # each choice's first chunk starts with its prompt
+        for i in range(count):
+            text = _prompt_text(req, i, prompts[i // req.n], decode)
+            await resp.send(stream.event(protocol.stream_chunk(rid, created, req, i, text, None, False)))
+            offset[i] = len(text)
     while True:
         failed = _failure(outs, True) if isinstance(outs[0], Rejected) else None  # a later choice refused
         text, ids, lps, final = ("", [], [], None) if failed else _merge(outs)
+        if not req.generate:
+            text, ids, lps = "", [], []
         if failed or (final is not None and final.finish_reason == "error"):
             err = failed or ApiError(500, final.error or "the engine failed", code="engine_error")
             await resp.send(stream.event(err.body()))

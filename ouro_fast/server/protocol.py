@@ -102,6 +102,9 @@ class GenerateRequest:
     include_usage: bool
     logprobs: int | None = None  # top log-probabilities per token to report; None: no logprobs
     n: int = 1  # choices per prompt
+    echo: bool = False  # the reply starts with the prompt (and its logprobs, with logprobs)
+    prompt_logprobs: int | None = None  # vLLM's field: each prompt token's logprobs, in the choice
+    generate: bool = True  # False (max_tokens 0 with echo): the prompt alone, nothing generated
 
 
 # ---- JSON in -------------------------------------------------------------------
@@ -245,10 +248,21 @@ def parse_completion(body: dict, info: ModelInfo) -> GenerateRequest:
     model = _model(req.model, info)
     prompts = _prompts(req.prompt, info)
     stream, include_usage = _stream(req)
+    echo = bool(req.echo)
+    if req.max_tokens == 0 and not echo:
+        raise bad("max_tokens", "max_tokens 0 needs echo: a reply of no tokens is the prompt alone")
+    if stream and (req.prompt_logprobs is not None or (echo and req.logprobs is not None)):
+        raise bad("prompt_logprobs" if req.prompt_logprobs is not None else "echo",
+                  "prompt logprobs are not streamed yet: ask without stream")  # fmt: skip
+    options = _options(req)
+    wanted = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if echo else None
+    if wanted is not None:
+        options["prompt_logprobs"] = wanted
+    max_tokens = 16 if req.max_tokens is None else max(req.max_tokens, 1)
     return GenerateRequest(
-        chat=False, model=model, prompts=prompts, options=_options(req),
-        max_tokens=16 if req.max_tokens is None else req.max_tokens, stream=stream,
-        include_usage=include_usage, logprobs=req.logprobs, n=_choices(req),
+        chat=False, model=model, prompts=prompts, options=options, max_tokens=max_tokens, stream=stream,
+        include_usage=include_usage, logprobs=req.logprobs, n=_choices(req), echo=echo,
+        prompt_logprobs=req.prompt_logprobs, generate=req.max_tokens != 0,
     )  # fmt: skip
 
 
@@ -409,11 +423,26 @@ def logprobs_body(req: GenerateRequest, tokens: list[int], lps: list, decode: Ca
         offset += len(text)
     top = []
     for text, lp in zip(texts, lps):
+        if lp is None:  # an echoed prompt's first token: nothing came before it
+            top.append(None)
+            continue
         entry = {decode(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
         entry.setdefault(text, lp.logprob)
         top.append(entry)
-    return {"tokens": texts, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
-            "text_offset": offsets}  # fmt: skip
+    token_logprobs = [None if lp is None else lp.logprob for lp in lps]
+    return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def prompt_logprobs_body(prompt: list[int], lps: list, decode: Callable[[int], str]) -> list:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token, None for the first, else token id -> its
+    {logprob, rank, decoded_token}, with the top ones."""
+    out: list = [None]
+    for token, lp in zip(prompt[1:], lps):
+        entry = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": decode(i)}
+                 for r, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}  # fmt: skip
+        entry[str(token)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": decode(token)}
+        out.append(entry)
+    return out
 
 
 def choice(req: GenerateRequest, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:

@@ -26,7 +26,7 @@ from ...model.ouro import OuroForCausalLM
 from ...model.triton_attention import TritonBatch, TritonPagedAttention
 from ...model.triton_loop import run_loop_fused
 from ..plan import StepPlan, StepResult
-from ..sampling import GREEDY_EPS, Sampler, sample_exited
+from ..sampling import GREEDY_EPS, Sampler, prompt_logprobs, sample_exited
 from .lanes import DecodeLanes
 from .shapes import MAX_GRAPHS, decode_shapes, prefill_shapes, step_shape
 from .staging import StagingBuffers
@@ -282,12 +282,17 @@ class GpuRunner:
         shape = step_shape(r, plan.num_tokens, int(plan.length.max()), self.max_rows, self.max_tokens)
         self._fill(plan, shape[0], shape[1])
         self.run_shape(shape)
+        vocab, loops = self.sampler.vocab_limit, self.cfg.total_ut_steps
         if not plan.may_exit():
             # No row may exit at this loop: nothing to read back, so do not wait for the device.
-            return StepResult(np.zeros(r, np.uint8), np.zeros(r, np.int32))
-        if plan.all_exit():
-            # Every row reached its last loop (full depth): the exits are known without a device read.
-            exited = np.ones(r, np.uint8)
+            result = StepResult(np.zeros(r, np.uint8), np.zeros(r, np.int32))
         else:
-            exited = self.exits[:r].to(torch.uint8).cpu().numpy()
-        return sample_exited(self.model, self.sampler, plan, self.x_last[:r], exited, self.keep_logits)
+            if plan.all_exit():
+                # Every row reached its last loop (full depth): the exits are known without a device read.
+                exited = np.ones(r, np.uint8)
+            else:
+                exited = self.exits[:r].to(torch.uint8).cpu().numpy()
+            result = sample_exited(self.model, self.sampler, plan, self.x_last[:r], exited, self.keep_logits)
+        if plan.sampling.prompts:
+            result.prompt_logprobs = prompt_logprobs(self.model, plan, self.h_prev, loops, vocab)
+        return result
