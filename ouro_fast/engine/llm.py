@@ -50,6 +50,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     error: str | None = None  # why the engine ended it, for finish_reason "error"
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first, else its id and the top ones.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]}.
@@ -171,7 +173,11 @@ def _request_output(out, prompt: str | None, tokenizer) -> RequestOutput:
     if req.params.logprobs is not None:
         completion.logprobs = [_logprob_dict(t, lp, tokenizer) for t, lp in zip(ids, req.logprobs)]
         completion.cumulative_logprob = sum(lp.logprob for lp in req.logprobs)
-    return RequestOutput(out.request_id, prompt, list(req.prompt_ids), [completion], error=out.error)
+    result = RequestOutput(out.request_id, prompt, list(req.prompt_ids), [completion], error=out.error)
+    if req.params.prompt_logprobs is not None:
+        pairs = zip(req.prompt_ids[1:], req.prompt_logprobs)
+        result.prompt_logprobs = [None] + [_logprob_dict(t, lp, tokenizer) for t, lp in pairs]
+    return result
 
 
 def _logprob_dict(token: int, lp, tokenizer) -> dict[int, Logprob]:
