@@ -96,3 +96,17 @@ def test_sigterm_with_open_streams():
     log = srv.log()
     assert "aborting 1 requests still in flight" in log and "the engine owner thread has ended" in log
     assert "Traceback" not in log
+
+
+def test_make_checkpoint_does_not_import_the_server():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ouro_fast import cli\n"
+        "try:\n    cli.main(['make-checkpoint', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'sanic' not in sys.modules and 'ouro_fast.server.app' not in sys.modules\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
