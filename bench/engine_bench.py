@@ -59,6 +59,9 @@ class TimedSampler:
         self.seconds += time.perf_counter() - t0
         return out
 
+    def __getattr__(self, name):
+        return getattr(self.inner, name)  # the runner reads the sampler's settings too
+
 
 def workload(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)

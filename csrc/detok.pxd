@@ -17,6 +17,7 @@ cdef class DetokState:
     cdef bint _skip_special
     cdef frozenset _skip_ids
     cdef tuple _stops
+    cdef bint _include_stop  # the emitted text keeps the stop string that ended it
     cdef Py_ssize_t _holdback
     cdef str _pending  # decoded text held back by the stop-string and holdback rules
     cdef list _emitted

@@ -28,8 +28,9 @@ REPLACEMENT_CHAR = "\ufffd"
 
 @cython.cfunc
 @cython.exceptval(-2, check=False)  # -1 is a result (no stop string in the text)
-def _stop_cut(text: str, stops: tuple) -> cython.Py_ssize_t:
-    """Where text is cut for the first stop string to appear in it, -1 when none does.
+def _stop_cut(text: str, stops: tuple, keep: cython.bint) -> cython.Py_ssize_t:
+    """Where text is cut for the first stop string to appear in it (before it, or after it with keep),
+    -1 when none does.
 
     "First to appear" is the occurrence that ends earliest (the one a token stream completes
     first); of those ending at the same character, the one that starts earliest.
@@ -45,7 +46,7 @@ def _stop_cut(text: str, stops: tuple) -> cython.Py_ssize_t:
         end = at + len(stop)
         if best_end < 0 or end < best_end or (end == best_end and at < best_at):
             best_end, best_at = end, at
-    return best_at
+    return best_end if keep and best_at >= 0 else best_at
 
 
 class DetokState:
@@ -63,16 +64,19 @@ class DetokState:
         skip_special_tokens: cython.bint,
         skip_ids: frozenset,
         stop: tuple,
+        include_stop: cython.bint = False,
     ):
         """seed: trailing prompt tokens used as context, ending at a clean character boundary;
         seed_chars: len(decode(seed)); skip_ids: ids that decode to nothing with this
-        request's skip_special_tokens (dropped on entry); stop: non-empty stop strings."""
+        request's skip_special_tokens (dropped on entry); stop: non-empty stop strings;
+        include_stop: the text ends after the stop string that ended it, not before."""
         self._window = list(seed)
         self._read = len(self._window)
         self._prefix_chars = seed_chars
         self._skip_special = skip_special_tokens
         self._skip_ids = skip_ids
         self._stops = stop
+        self._include_stop = include_stop
         self._holdback = max([len(s) for s in stop], default=1) - 1
         self._pending = ""
         self._emitted = []
@@ -149,7 +153,7 @@ class DetokState:
             self._finished = True
         cut: cython.Py_ssize_t
         if self._stops:
-            cut = _stop_cut(text, self._stops)
+            cut = _stop_cut(text, self._stops, self._include_stop)
             if cut >= 0:
                 self._stopped = True
                 self._finished = True

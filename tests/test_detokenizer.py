@@ -337,3 +337,16 @@ def test_bookkeeping_errors(tok, core):
     state.extend([5])
     with pytest.raises(ValueError):
         core.apply_decoded([state], [], False)
+
+
+def test_include_stop_keeps_the_stop_string(tok, core):
+    ids = tok.encode("Hello world, stop here").ids
+    for include, want in ((False, "Hell"), (True, "Hello w")):
+        detok = IncrementalDetokenizer(tok, core)
+        detok.add(1, [], stop=["xyz", "o w"], include_stop=include)
+        text = "".join(detok.step({1: [i]})[1][0] for i in ids) + detok.finish(1)
+        assert text == want and detok.stopped(1)
+    # Of two stops, the one completed first decides where the kept text ends.
+    detok = IncrementalDetokenizer(tok, core)
+    detok.add(1, [], stop=["a.a", "."], include_stop=True)
+    assert "".join(detok.step({1: [i]})[1][0] for i in tok.encode("a.a").ids) == "a."

@@ -583,6 +583,28 @@ def test_echo_and_prompt_logprobs(server, llm):
         assert "".join(ch["choices"][0]["text"] for ch in chunks).startswith(text)
 
 
+def test_stop_string_inclusion_and_continuous_usage(server, llm):
+    params = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    full = offline(llm, "Hello there", **params)[0]
+    stop = full[1:3]
+    k = full.index(stop)  # where the stop string first appears
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"model": MODEL, "prompt": "Hello there", "stop": [stop], **params}
+        cut = http.post("/v1/completions", json=body).json()["choices"][0]
+        kept = http.post("/v1/completions", json={**body, "include_stop_str_in_output": True}).json()[
+            "choices"
+        ][0]
+        assert (cut["text"], cut["finish_reason"]) == (full[:k], "stop")
+        assert (kept["text"], kept["finish_reason"]) == (full[: k + 2], "stop")
+        stream = {"model": MODEL, "prompt": "Hello there", **params, "stream": True,
+                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+        chunks = _sse(http.post("/v1/completions", json=stream))
+        counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+        assert (
+            counts == sorted(counts) and counts[-1] == 12 and chunks[-1]["usage"]["completion_tokens"] == 12
+        )
+
+
 def test_unknown_fields_are_ignored_and_logged(server):
     """As vLLM's server does: a field no endpoint declares does not fail the request."""
     body = {

@@ -59,14 +59,18 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: Iterable[str] = (),
+        include_stop: bool = False,
     ) -> None:
-        """Start a request. Empty stop strings are ignored; a key already present is a ValueError."""
+        """Start a request. Empty stop strings are ignored; a key already present is a ValueError.
+        include_stop: the text keeps the stop string that ended it."""
         if key in self._states:
             raise ValueError(f"request {key} is already being detokenized")
         skip_ids = self._special if skip_special_tokens else frozenset()
         seed, seed_chars = self._seed(prompt_ids, skip_special_tokens, skip_ids)
         stops = tuple(s for s in stop if s)
-        self._states[key] = self._core.DetokState(seed, seed_chars, skip_special_tokens, skip_ids, stops)
+        self._states[key] = self._core.DetokState(
+            seed, seed_chars, skip_special_tokens, skip_ids, stops, include_stop
+        )
 
     def _seed(self, prompt_ids: Sequence[int], skip: bool, skip_ids: frozenset[int]) -> tuple[list[int], int]:
         """The prompt's last tokens as context, shortened until they end on a whole character.

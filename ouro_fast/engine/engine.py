@@ -205,7 +205,8 @@ class Engine:
             if params.prompt_logprobs is not None:
                 s.prompts[rid] = np.asarray(req.prompt_ids, np.int32)
             s.processors.add(rid, params, req.prompt_ids, req.output_ids, req.eos_ids)
-            self.detok.add(rid, req.prompt_ids, params.skip_special_tokens, params.stop)
+            self.detok.add(rid, req.prompt_ids, params.skip_special_tokens, params.stop,
+                           params.include_stop_str_in_output)  # fmt: skip
         except Exception:
             self.scheduler.finish(rid)  # leave no half-registered request behind
             raise

@@ -30,6 +30,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True

@@ -122,7 +122,6 @@ class DetokenizeRequest(ApiModel):
 NEUTRAL: dict[str, tuple] = {
     "length_penalty": (1.0,),
     "use_beam_search": (False,),
-    "include_stop_str_in_output": (False,),
     "suffix": (),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -136,6 +135,4 @@ def unsupported(req: SamplingFields) -> tuple[str, Any] | None:
         value = getattr(req, name, None)
         if value is not None and value not in allowed:
             return name, value
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        return "stream_options", req.stream_options.model_dump(exclude_none=True)
     return None

@@ -179,7 +179,8 @@ async def _send_stream(request, merged, count: int, req, rid: str, created: int,
     if error is not None:
         raise error
     resp = await request.respond(content_type=stream.CONTENT_TYPE, headers=stream.HEADERS)
-    first, offset, finals = [True] * count, [0] * count, {}
+    first, offset, finals, produced = [True] * count, [0] * count, {}, 0
+    prompt_tokens = sum(len(p) for p in prompts)
     if req.echo:  # each choice's first chunk starts with its prompt
         for i in range(count):
             text = _prompt_text(req, i, prompts[i // req.n], decode)
@@ -201,6 +202,9 @@ async def _send_stream(request, merged, count: int, req, rid: str, created: int,
             offset[index] += len(text)
             finish = final.finish_reason if final is not None else None
             chunk = protocol.stream_chunk(rid, created, req, index, text, finish, first[index], logprobs)
+            produced += len(ids)
+            if req.continuous_usage:
+                chunk["usage"] = protocol.usage(prompt_tokens, produced)
             await resp.send(stream.event(chunk))
             first[index] = False
         if final is not None:

@@ -105,6 +105,7 @@ class GenerateRequest:
     echo: bool = False  # the reply starts with the prompt (and its logprobs, with logprobs)
     prompt_logprobs: int | None = None  # vLLM's field: each prompt token's logprobs, in the choice
     generate: bool = True  # False (max_tokens 0 with echo): the prompt alone, nothing generated
+    continuous_usage: bool = False  # every stream chunk carries the usage so far
 
 
 # ---- JSON in -------------------------------------------------------------------
@@ -172,7 +173,7 @@ def _check_supported(req: SamplingFields) -> None:
 def _options(req: SamplingFields) -> dict:
     """SamplingParams keyword arguments (max_tokens excluded); absent fields keep its defaults."""
     names = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens", "min_loops",
-             "max_loops", "exit_threshold", "stop_token_ids")  # fmt: skip
+             "max_loops", "exit_threshold", "stop_token_ids", "include_stop_str_in_output")  # fmt: skip
     opts = {name: getattr(req, name) for name in names if getattr(req, name) is not None}
     for name, off in _PROCESSORS_OFF.items():  # the neutral values ask nothing of the processors
         if getattr(req, name) not in (None, off):
@@ -241,6 +242,10 @@ def _stream(req: SamplingFields) -> tuple[bool, bool]:
     return bool(req.stream), bool(opts is not None and opts.include_usage)
 
 
+def _continuous_usage(req: SamplingFields) -> bool:
+    return bool(req.stream_options is not None and req.stream_options.continuous_usage_stats)
+
+
 def parse_completion(body: dict, info: ModelInfo) -> GenerateRequest:
     """A /v1/completions body, validated."""
     req = _validate(CompletionRequest, body)
@@ -263,6 +268,7 @@ def parse_completion(body: dict, info: ModelInfo) -> GenerateRequest:
         chat=False, model=model, prompts=prompts, options=options, max_tokens=max_tokens, stream=stream,
         include_usage=include_usage, logprobs=req.logprobs, n=_choices(req), echo=echo,
         prompt_logprobs=req.prompt_logprobs, generate=req.max_tokens != 0,
+        continuous_usage=_continuous_usage(req),
     )  # fmt: skip
 
 
@@ -288,6 +294,7 @@ def parse_chat(body: dict, info: ModelInfo, template: Callable[..., str]) -> Gen
     return GenerateRequest(
         chat=True, model=model, prompts=[prompt], options=_options(req), max_tokens=max_tokens,
         stream=stream, include_usage=include_usage, logprobs=_logprobs(req), n=_choices(req),
+        continuous_usage=_continuous_usage(req),
     )  # fmt: skip
 
 
