@@ -11,7 +11,8 @@ torch-profiler table of the top kernels. Usage (GPU machine, repo root, the pack
 Settings (environment): PROBE_CASES ("conc:threshold/...", "none": graph times only), PROBE_RUN_AHEAD
 (1, full: full-depth batches too, as the server runs them, or 0), PROBE_CLOSED
 ("conc:threshold:prompts[:K]/..." closed loops, every engine call timed by kind; K: a profiler trace
-after the K-th completion),
+after the K-th completion, with the GPU time of each kernel over 60 engine calls), PROBE_IN / PROBE_OUT
+(the closed loops' prompt and output tokens, 128 / 64), PROBE_MAX_SEQS (64), PROBE_MAX_TOKENS (2048),
 PROBE_TRACE=1 (a chrome trace of the profiled steps), PROBE_LOG_COMPILES=1 (Triton compiles after
 start-up), PROBE_TAG.
 Writes engine_probe_<tag>.json (and any traces) to $OUT, by default bench/results/engine-probe-<UTC time>/.
@@ -37,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this fi
 from replay_timing import replay_ms  # noqa: E402
 
 CKPT = os.environ.get("OURO_PROBE_CKPT", "/tmp/ck14")
+# PROBE_IN, PROBE_OUT: prompt and output tokens of the closed-loop runs.
+CLOSED_IN, CLOSED_OUT = int(os.environ.get("PROBE_IN", "128")), int(os.environ.get("PROBE_OUT", "64"))
 _OUT: list[str] = []
 
 
@@ -119,14 +122,14 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
         CURRENT["call"] = f"{conc}:{q} after {kind}"
 
     def submit(i: int) -> None:
-        prompt = rng.integers(3, 1000, 128).tolist()
+        prompt = rng.integers(3, 1000, CLOSED_IN).tolist()
         t = time.perf_counter()
-        eng.add_request(f"closed{conc}-{q}-{i}", prompt, SamplingParams(max_tokens=64, ignore_eos=True,
-                                                                       exit_threshold=q))  # fmt: skip
+        params = SamplingParams(max_tokens=CLOSED_OUT, ignore_eos=True, exit_threshold=q)
+        eng.add_request(f"closed{conc}-{q}-{i}", prompt, params)
         add("admit", time.perf_counter() - t)
 
     # trace_after=K: a torch-profiler chrome trace of 60 engine calls after the K-th completion.
-    prof, traced = None, 0
+    prof, traced, traced_t0, kernel_table = None, 0, 0.0, None
     runs0 = ahead.runs if ahead is not None else 0
     riders0 = getattr(ahead, "total_riders", 0)  # builds before riders have none
     hist0 = list(s.exit_depth_histogram)
@@ -151,7 +154,10 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
             if traced == 60:
                 torch.cuda.synchronize()
                 prof.stop()
-                prof.export_chrome_trace(os.path.join(out_dir(), f"closed_{conc}_{q}.json"))
+                window_ms = 1000 * (time.perf_counter() - traced_t0)
+                if os.environ.get("PROBE_TRACE"):
+                    prof.export_chrome_trace(os.path.join(out_dir(), f"closed_{conc}_{q}.json"))
+                kernel_table = kernel_summary(prof, window_ms)
                 prof, trace_after = None, -1
         for o in outs:
             if o.finished:
@@ -163,6 +169,7 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
                         acts.append(ProfilerActivity.CPU)
                     prof = profile(activities=acts)
                     prof.start()
+                    traced_t0 = time.perf_counter()
                 if sent < prompts:
                     submit(sent)
                     sent += 1
@@ -171,15 +178,31 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
     hist = [a - b for a, b in zip(s.exit_depth_histogram, hist0)]
     return {
         "closed_loop": True, "conc": conc, "threshold": q, "prompts": prompts, "seconds": round(dt, 4),
-        "tok_s": round(prompts * 64 / dt, 1), "mean_depth": round(sum((i + 1) * n for i, n in enumerate(hist))
-                                                                  / max(sum(hist), 1), 3),
+        "tok_s": round(prompts * CLOSED_OUT / dt, 1), "in_out": [CLOSED_IN, CLOSED_OUT],
+        "mean_depth": round(sum((i + 1) * n for i, n in enumerate(hist)) / max(sum(hist), 1), 3),
         "run_ahead_runs": (ahead.runs if ahead is not None else 0) - runs0,
         "run_ahead_riders": getattr(ahead, "total_riders", 0) - riders0,
         "calls": {k: {"n": len(v), "total_ms": round(1000 * sum(v), 2),
                       "mean_ms": round(1000 * sum(v) / len(v), 4), "max_ms": round(1000 * max(v), 2)}
                   for k, v in kinds.items()},
-        "exit_depth_histogram": hist,
+        "exit_depth_histogram": hist, "max_num_seqs": eng.config.max_num_seqs,
+        "max_num_batched_tokens": eng.config.max_num_batched_tokens, "kernels": kernel_table,
     }  # fmt: skip
+
+
+def kernel_summary(prof, window_ms: float, top: int = 25) -> dict:
+    """GPU time by kernel over a traced window of 60 engine calls: the share of the window each takes."""
+    rows = []
+    busy = 0.0
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if us <= 0:
+            continue
+        busy += us
+        rows.append((us, e.count, e.key[:90]))
+    rows.sort(reverse=True)
+    return {"window_ms": round(window_ms, 2), "gpu_busy_ms": round(busy / 1000, 2),
+            "top": [{"ms": round(us / 1000, 3), "n": n, "name": k} for us, n, k in rows[:top]]}  # fmt: skip
 
 
 def main() -> None:
@@ -193,8 +216,9 @@ def main() -> None:
     depth = int(os.environ.get("PROBE_RUN_AHEAD_DEPTH", "1"))
     # PROBE_MAX_TOKENS: the step's token budget (max_num_batched_tokens).
     max_tokens = int(os.environ.get("PROBE_MAX_TOKENS", "2048"))
-    eng = Engine(EngineConfig(model=CKPT, max_num_seqs=64, max_num_batched_tokens=max_tokens, runner=runner,
-                              run_ahead=ahead != "0", run_ahead_full_depth=ahead == "full",
+    max_seqs = int(os.environ.get("PROBE_MAX_SEQS", "64"))
+    eng = Engine(EngineConfig(model=CKPT, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
+                              runner=runner, run_ahead=ahead != "0", run_ahead_full_depth=ahead == "full",
                               run_ahead_depth=depth))  # fmt: skip
     print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.scheduler.num_blocks} KV blocks", flush=True)
     rng = np.random.default_rng(0)
