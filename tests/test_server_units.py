@@ -104,6 +104,32 @@ def test_completion_defaults_and_neutral_fields():
     assert (params.max_tokens, params.exit_threshold, params.max_loops) == (16, 0.5, 2)
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [("use_beam_search", True), ("length_penalty", 0.5), ("suffix", "end"),
+     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
+     ("structured_outputs", {"regex": "a"}),
+     ("bad_words", ["x"]), ("allowed_token_ids", [1]), ("truncate_prompt_tokens", 4),
+     ("return_tokens_as_token_ids", True)],
+)  # fmt: skip
+def test_a_feature_the_engine_lacks_is_a_400_naming_it(field, value):
+    with pytest.raises(ApiError) as e:
+        protocol.parse_completion({"prompt": "x", field: value}, INFO)
+    assert e.value.status == 400 and e.value.param == field and "not supported" in e.value.message
+
+
+def test_neutral_values_and_unknown_fields_pass():
+    body = {"prompt": "x", "use_beam_search": False, "length_penalty": 1.0, "bad_words": [],
+            "return_tokens_as_token_ids": False, "guided_json": None, "no_such_field": 3}  # fmt: skip
+    assert protocol.parse_completion(body, INFO).prompts == ["x"]
+    chat = {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}}  # fmt: skip
+    assert protocol.parse_chat(chat, INFO, lambda *a, **k: "T").chat
+    with pytest.raises(ApiError) as e:
+        protocol.parse_chat({**chat, "response_format": {"type": "json_object"}}, INFO, lambda *a, **k: "T")
+    assert e.value.param == "response_format"
+
+
 def test_huge_integers_get_a_400_not_an_overflow():
     # Found by tests/test_fuzz.py: math.isfinite(-10**400) raised OverflowError, a 500 from the catch-all.
     huge = -(10**400)

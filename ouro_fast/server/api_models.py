@@ -57,6 +57,16 @@ class SamplingFields(ApiModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
     length_penalty: float | None = None
     use_beam_search: bool | None = None
+    # vLLM fields that change what is generated: refused, not ignored, so nobody gets unconstrained text.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -126,6 +136,15 @@ NEUTRAL: dict[str, tuple] = {
     "tools": ([],),
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,),
 }
 
 
