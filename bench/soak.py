@@ -94,7 +94,7 @@ def server_env(cfg: SoakConfig) -> dict[str, str]:
         "OURO_FAST_MAX_WAITING": str(cfg.max_waiting),
         "OURO_FAST_STREAM_BUFFER": str(cfg.stream_buffer),
         "OURO_FAST_NUM_KV_BLOCKS": str(cfg.num_kv_blocks),
-        "OURO_FAST_TEST_FAULTS": f"{FAULT_BEFORE_TEXT}@0,{FAULT_MID_STREAM}@3",
+        "OURO_FAST_TEST_FAULTS": f"execute:{FAULT_BEFORE_TEXT}@0,execute:{FAULT_MID_STREAM}@3",
         "OURO_FAST_SHUTDOWN_GRACE": "2",
     }
 
