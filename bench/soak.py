@@ -4,16 +4,18 @@ Starts `ouro-fast serve` (the embedded tiny model) on 127.0.0.1 with small limit
 that overload is reachable, then sends, at a fixed concurrency:
 
 - `requests` ordinary requests: mixed prompt lengths and max_tokens, completions and
-  chat, streamed or not; a fraction of their clients disconnect at a random point
-  (before the answer, or after a few stream chunks);
+  chat, streamed or not; a fraction of their clients disconnect mid-stream (after a few
+  chunks), a few more before the answer;
 - a burst of requests past the admission bound, all at once (429s expected);
 - a few clients that open a stream and never read (the server must abort and cut them);
-- two requests that trip the test-only fault hook (OURO_FAST_TEST_FAULTS): one engine
-  step fails before any text, one mid-stream.
+- one request per stage of the engine step that trips the test-only fault injection
+  (OURO_FAST_TEST_FAULTS, engine/faults.py), before its first token or mid-stream: batch
+  stages end every request holding KV, request stages that request alone.
 
 Afterwards it checks that every request is accounted for (completed, 429, cancelled
-by its client, or failed with a reason; none silent or hung), that the server's own
-counters agree, that the engine holds no KV and runs nothing, that the server's
+by its client, or failed with a reason; none silent or hung), that at most
+`max_429_frac` of them were 429s, that the server's own counters agree (one failed step
+per batch-stage fault), that the engine holds no KV and runs nothing, that the server's
 threads, file descriptors and memory are back near their level before the load, and
 that /health answers 200. Bounded in time and count; writes a JSON summary (--out).
 
@@ -38,7 +40,10 @@ import httpx
 from tests.server_helpers import ServerProcess, parse_metrics
 
 MODEL = "ouro-tiny-random"
-FAULT_BEFORE_TEXT, FAULT_MID_STREAM = 990001, 990002  # sampling seeds the fault hook watches
+# Stage -> (sampling seed the fault injection watches, tokens the request has when it fires).
+FAULTS = {"schedule": (990001, 0), "execute": (990002, 3), "update": (990003, 2),
+          "sample": (990004, 0), "detokenize": (990005, 3), "output": (990006, 2)}  # fmt: skip
+BATCH_STAGES = ("schedule", "execute", "update")
 WORDS = ("the", "of", "loop", "model", "token", "exit", "depth", "ouro", "serve", "ring", "engine", "step")
 SLOW_ID = "s" * 4000  # echoed in every chunk's id: a stalled reader's buffers fill in few tokens
 OUTCOMES = ("completed", "rejected_429", "cancelled", "failed", "hung", "silent")
@@ -50,12 +55,15 @@ class SoakConfig:
 
     requests: int = 2000
     concurrency: int = 64
-    disconnect_frac: float = 0.2
+    disconnect_frac: float = 0.2  # clients that disconnect mid-stream (their requests stream)
+    early_disconnect_frac: float = 0.05  # clients that disconnect before the answer
     burst: int = 96  # sent at once halfway through, on top of the running load
     slow_clients: int = 3
     seed: int = 0
     max_num_seqs: int = 16
-    max_waiting: int = 56  # admission bound max_num_seqs + max_waiting = 72, just above concurrency
+    max_waiting: int = 112  # admission bound 128: room for the concurrency and disconnected requests
+    retry_after_s: float = 1.0  # how long an ordinary client waits after a 429 (the server says 1 s)
+    max_429_frac: float = 0.10  # more 429s than this share of all requests: the admission is too tight
     stream_buffer: int = 8
     num_kv_blocks: int = 2048
     request_timeout_s: float = 60.0  # one request taking longer counts as hung
@@ -70,6 +78,7 @@ class Result:
     """One client request as the client saw it."""
 
     kind: str  # normal, burst, fault, slow
+    stage: str = ""  # the engine stage a fault request trips
     outcome: str = "silent"  # one of OUTCOMES
     reason: str = ""  # why it failed / how it was cancelled
     stream: bool = False
@@ -86,6 +95,7 @@ class Plan:
     path: str = "/v1/completions"
     disconnect: str = ""  # "", "before_answer" or "mid_stream"
     disconnect_after: float = 0.0  # seconds (before_answer) or chunks (mid_stream)
+    stage: str = ""  # fault requests: the engine stage they trip
 
 
 def server_env(cfg: SoakConfig) -> dict[str, str]:
@@ -94,7 +104,7 @@ def server_env(cfg: SoakConfig) -> dict[str, str]:
         "OURO_FAST_MAX_WAITING": str(cfg.max_waiting),
         "OURO_FAST_STREAM_BUFFER": str(cfg.stream_buffer),
         "OURO_FAST_NUM_KV_BLOCKS": str(cfg.num_kv_blocks),
-        "OURO_FAST_TEST_FAULTS": f"{FAULT_BEFORE_TEXT}@0,{FAULT_MID_STREAM}@3",
+        "OURO_FAST_TEST_FAULTS": ",".join(f"{st}:{seed}@{n}" for st, (seed, n) in FAULTS.items()),
         "OURO_FAST_SHUTDOWN_GRACE": "2",
     }
 
@@ -106,7 +116,8 @@ def plan_requests(cfg: SoakConfig, rng: random.Random) -> list[Plan]:
     """The ordinary requests, in sending order (deterministic for a seed)."""
     plans = []
     for _ in range(cfg.requests):
-        stream = rng.random() < 0.5
+        mid_stream = rng.random() < cfg.disconnect_frac
+        stream = mid_stream or rng.random() < 0.5
         body = {"model": MODEL, "max_tokens": rng.choice((1, 2, 4, 8, 16, 32, 64)), "stream": stream}
         if rng.random() < 0.5:
             body["ignore_eos"] = True
@@ -124,20 +135,26 @@ def plan_requests(cfg: SoakConfig, rng: random.Random) -> list[Plan]:
         else:
             body["prompt"] = text
         plan = Plan("normal", body, path)
-        if rng.random() < cfg.disconnect_frac:
-            if stream and rng.random() < 0.5:
-                plan.disconnect, plan.disconnect_after = "mid_stream", rng.randint(1, 4)
-            else:
-                plan.disconnect, plan.disconnect_after = "before_answer", rng.uniform(0.0, 0.05)
+        if mid_stream:
+            plan.disconnect, plan.disconnect_after = "mid_stream", rng.randint(1, 4)
+        elif rng.random() < cfg.early_disconnect_frac:
+            plan.disconnect, plan.disconnect_after = "before_answer", rng.uniform(0.0, 0.05)
         plans.append(plan)
     return plans
 
 
 def fault_plans() -> list[Plan]:
-    base = {"model": MODEL, "prompt": "fault", "ignore_eos": True}
+    """One request per stage; a penalty puts it in the logits processors, where the sample stage runs."""
+    base = {
+        "model": MODEL,
+        "prompt": "fault",
+        "ignore_eos": True,
+        "max_tokens": 32,
+        "repetition_penalty": 1.1,
+    }
     return [
-        Plan("fault", {**base, "max_tokens": 8, "seed": FAULT_BEFORE_TEXT}),
-        Plan("fault", {**base, "max_tokens": 32, "seed": FAULT_MID_STREAM, "stream": True}),
+        Plan("fault", {**base, "seed": seed, "stream": tokens > 0}, stage=stage)
+        for stage, (seed, tokens) in FAULTS.items()
     ]
 
 
@@ -245,7 +262,7 @@ async def _streamed(http: httpx.AsyncClient, plan: Plan, res: Result) -> None:
 
 
 async def run_one(http: httpx.AsyncClient, port: int, plan: Plan, timeout: float) -> Result:
-    res = Result(plan.kind, stream=bool(plan.body.get("stream")))
+    res = Result(plan.kind, plan.stage, stream=bool(plan.body.get("stream")))
     t0 = time.monotonic()
     try:
         async with asyncio.timeout(timeout):
@@ -372,7 +389,10 @@ async def load(cfg: SoakConfig, url: str, port: int) -> tuple[list[Result], list
 
         async def bounded(plan: Plan) -> Result:
             async with sem:
-                return await run_one(http, port, plan, cfg.request_timeout_s)
+                res = await run_one(http, port, plan, cfg.request_timeout_s)
+                if res.outcome == "rejected_429":
+                    await asyncio.sleep(cfg.retry_after_s)  # a client honours Retry-After before its next
+                return res
 
         async def fault(plan: Plan) -> Result:
             for _ in range(50):  # a 429 would mean the fault never fired: retry until admitted
@@ -385,13 +405,14 @@ async def load(cfg: SoakConfig, url: str, port: int) -> tuple[list[Result], list
         tasks: list[asyncio.Task] = []
         fault_tasks: list[asyncio.Task] = []
         n = len(plans)
+        fault_at = {n * (k + 1) // 16: plan for k, plan in enumerate(faults)}  # 1/16 .. 6/16 of the run
         for i, plan in enumerate(plans):
-            if i in (n // 8, n // 4):
+            if i in fault_at:
                 if fault_tasks:
                     await asyncio.wait(fault_tasks)  # one fault at a time
-                fault_tasks.append(asyncio.create_task(fault(faults.pop(0))))
-            if i == 3 * n // 8:
-                # After both faults: a failed step would end the stalled streams as errors instead.
+                fault_tasks.append(asyncio.create_task(fault(fault_at[i])))
+            if i == 7 * n // 16:
+                # After the faults: a failed step would end the stalled streams as errors instead.
                 await asyncio.wait(fault_tasks)
                 tasks += fault_tasks
                 # With every client slot held, the server has room: the stalled readers are admitted.
@@ -424,9 +445,13 @@ def check(cfg: SoakConfig, results: list[Result], before: dict, after: dict, idl
     """Every broken invariant, as a sentence (empty: the soak passed)."""
     problems = []
     by = Counter(r.outcome for r in results)
-    expected = cfg.requests + cfg.burst + cfg.slow_clients + 2
+    expected = cfg.requests + cfg.burst + cfg.slow_clients + len(FAULTS)
     if len(results) != expected:
         problems.append(f"{len(results)} results for {expected} requests")
+    if by["rejected_429"] > cfg.max_429_frac * len(results):
+        problems.append(
+            f"{by['rejected_429']} of {len(results)} requests got 429: the admission bound is too tight"
+        )
     for bad in ("hung", "silent"):
         if by[bad]:
             examples = [r.reason for r in results if r.outcome == bad][:5]
@@ -459,11 +484,13 @@ def check(cfg: SoakConfig, results: list[Result], before: dict, after: dict, idl
     step_failures = (
         after["ouro_fast:engine_step_failures_total"] - before["ouro_fast:engine_step_failures_total"]
     )
-    if step_failures != 2:
-        problems.append(f"{step_failures:.0f} engine step failures; 2 faults were injected")
+    if step_failures != len(BATCH_STAGES):
+        problems.append(
+            f"{step_failures:.0f} engine step failures; {len(BATCH_STAGES)} batch faults were injected"
+        )
     faults = [r for r in results if r.kind == "fault"]
-    if [r.outcome for r in faults] != ["failed", "failed"]:
-        problems.append(f"fault requests ended {[(r.outcome, r.reason) for r in faults]}")
+    if [r.outcome for r in faults] != ["failed"] * len(FAULTS):
+        problems.append(f"fault requests ended {[(r.stage, r.outcome, r.reason) for r in faults]}")
     if proc_after["Threads"] > proc_before["Threads"]:
         problems.append(f"server threads {proc_before['Threads']} -> {proc_after['Threads']}")
     if proc_after["fds"] > proc_before["fds"]:
@@ -527,6 +554,8 @@ def summarize(cfg, results, before, after, proc_before, proc_after, health, load
             for k in ("normal", "burst", "fault", "slow")
         },  # fmt: skip
         "reasons": dict(reasons.most_common()),
+        "faults": {r.stage: f"{r.outcome}: {r.reason}" for r in results if r.kind == "fault"},
+        "unaccounted": sum(1 for r in results if r.outcome in ("hung", "silent")),
         "load_seconds": round(load_s, 2),
         "completed_per_second": round(len(done) / load_s, 1) if load_s else 0.0,
         "generated_tokens_completed": sum(r.tokens for r in done),

@@ -186,7 +186,9 @@ def plan_windows(states: list) -> list:
 @cython.ccall
 def apply_decoded(states: list, decoded: list, final: cython.bint) -> list:
     """Each state's text delta, given the decoded texts of plan_windows(states) (made with the
-    states' skip_special_tokens). final flushes everything left and finishes the states."""
+    states' skip_special_tokens). final flushes everything left and finishes the states.
+    A state whose own text fails (e.g. its stop check) gets the exception in place of its delta,
+    and the others go on."""
     state: DetokState
     at: cython.Py_ssize_t = 0
     for state in states:
@@ -198,6 +200,9 @@ def apply_decoded(states: list, decoded: list, final: cython.bint) -> list:
     at = 0
     for state in states:
         n = state._windows_needed()
-        deltas.append(state._apply(decoded, at, n, final))
+        try:
+            deltas.append(state._apply(decoded, at, n, final))
+        except Exception as e:
+            deltas.append(e)
         at += n
     return deltas

@@ -17,10 +17,13 @@ KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "ouro-tiny-random"
 IN_FLIGHT = 3  # --max-num-seqs 2 + --max-waiting 1
-FAULT_BEFORE_TEXT, FAULT_MID_STREAM = 777, 888  # seeds the fault hook watches
+FAULT_BEFORE_TEXT, FAULT_MID_STREAM, FAULT_ALONE = 777, 888, 999  # seeds the fault hook watches
 ARGS = ("--max-num-seqs", "2", "--max-waiting", "1", "--stream-buffer", "8", "--api-key", KEY,
         "--num-kv-blocks", "1024")  # fmt: skip
-ENV = {"OURO_FAST_TEST_FAULTS": f"{FAULT_BEFORE_TEXT}@0,{FAULT_MID_STREAM}@3"}
+ENV = {
+    "OURO_FAST_TEST_FAULTS": f"execute:{FAULT_BEFORE_TEXT}@0,execute:{FAULT_MID_STREAM}@3,"
+    f"detokenize:{FAULT_ALONE}@3"
+}
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +155,29 @@ def test_engine_failure_ends_requests_and_engine_recovers(server):
     assert httpx.get(server.url + "/health").status_code == 200
     r = completion(server, max_tokens=5, ignore_eos=True)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_a_request_fault_ends_that_request_alone(server):
+    """A failure that belongs to one request (its detokenization) cuts its stream with an error event;
+    a stream running beside it finishes, and no engine step counts as failed."""
+    before = server.metrics()
+    url = server.url + "/v1/completions"
+    base = {"model": MODEL, "stream": True, "ignore_eos": True, "max_tokens": 40}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", url, json={**base, "prompt": "by"}, headers=AUTH) as by,
+    ):
+        reader = by.iter_raw()
+        next(reader)
+        got = bench_stream(url, {**base, "prompt": "victim", "seed": FAULT_ALONE}, AUTH)
+        assert got.status == 200 and not got.done
+        assert got.chunks[-1]["error"]["code"] == "engine_error"
+        rest = b"".join(reader)
+    assert rest.endswith(b"data: [DONE]\n\n") and b'"finish_reason":"length"' in rest.replace(b" ", b"")
+    m = wait_for(server, idle)
+    assert m["ouro_fast:engine_step_failures_total"] == before["ouro_fast:engine_step_failures_total"]
+    assert errors(m) == errors(before) + 1
+
+
+def errors(m: dict[str, float]) -> float:
+    return sum(v for k, v in m.items() if k.startswith("vllm:request_success_total") and '"error"' in k)

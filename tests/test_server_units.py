@@ -23,7 +23,6 @@ from ouro_fast.server.owner import (
     SUBMIT,
     EngineOwner,
     EngineSnapshot,
-    parse_faults,
 )
 from ouro_fast.server.protocol import ApiError, ModelInfo
 from tests.server_helpers import parse_metrics, sample
@@ -70,13 +69,6 @@ def test_gil_switch_interval_applied_only_when_set():
         assert sys.getswitchinterval() == pytest.approx(0.0005)
     finally:
         sys.setswitchinterval(before)
-
-
-def test_parse_faults():
-    assert parse_faults("") == {}
-    assert parse_faults("7@0, 8@3") == {7: 0, 8: 3}
-    with pytest.raises(ValueError, match="SEED@TOKENS"):
-        parse_faults("x@1")
 
 
 def test_completion_defaults_and_neutral_fields():
@@ -337,6 +329,7 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(num_blocks=8, num_free_blocks=8)
         self.num_running = self.num_waiting = 0
         self.step_fails = self.abort_all_fails = False
+        self.batch_fails = False  # a failed step the engine handled: its requests end with an error
 
     def add_request(self, rid, prompt_ids, params):
         if not prompt_ids:
@@ -352,6 +345,10 @@ class FakeEngine:
     def step(self):
         if self.step_fails:
             raise RuntimeError("boom")
+        if self.batch_fails:
+            self.stats.failed_steps += 1
+            self.stats.last_failure = "the engine step failed: InjectedFault: injected"
+            return self.abort_all("error", self.stats.last_failure)
         self.stats.steps += 1
         return [StepOutput(rid, [7], "x", False, None, n, 1, [3]) for rid, n in self.requests.items()]
 
@@ -363,11 +360,9 @@ class FakeEngine:
         return outs
 
 
-def make_owner(faults=None) -> tuple[EngineOwner, list]:
+def make_owner() -> tuple[EngineOwner, list]:
     posted = []
-    owner = EngineOwner(
-        {}, RequestRing(8), {}, lambda batch, snap: posted.append((batch, snap)), None, faults
-    )
+    owner = EngineOwner({}, RequestRing(8), {}, lambda batch, snap: posted.append((batch, snap)), None)
     owner.engine = FakeEngine()
     return owner, posted
 
@@ -383,13 +378,15 @@ def test_owner_drains_submissions_and_aborts():
 
 
 def test_owner_step_failure_recovers_then_goes_out_of_service():
-    owner, posted = make_owner(faults={9: 2})
+    owner, posted = make_owner()
     assert owner._submit("1", ([5], SamplingParams(seed=9))) is None
     assert owner._submit("2", ([5, 6], SamplingParams())) is None
-    assert len(owner._step()) == 2 and len(owner._step()) == 2  # two tokens each: the hook is armed
-    outs = owner._step()  # the injected fault ends every request in flight, innocent ones too
+    assert len(owner._step()) == 2 and len(owner._step()) == 2
+    owner.engine.batch_fails = True
+    outs = owner._step()  # the engine ended the requests its failed step touched, and counted it
     assert [(o.request_id, o.finish_reason) for o in outs] == [("1", "error"), ("2", "error")]
     assert "InjectedFault" in outs[0].error and owner._failures == 1 and owner._broken is None
+    owner.engine.batch_fails = False
     assert owner._submit("3", ([5], SamplingParams())) is None and len(owner._step()) == 1  # recovered
     owner.engine.step_fails = owner.engine.abort_all_fails = True
     (out,) = owner._step()  # abort_all fails too: the engine goes out of service
@@ -400,16 +397,38 @@ def test_owner_step_failure_recovers_then_goes_out_of_service():
     assert posted[-1][1].broken == "RuntimeError: stuck" and posted[-1][1].step_failures == 2
 
 
-def test_owner_goes_out_of_service_after_failures_in_a_row():
-    """A fault that survives abort_all (every step fails) must not fail requests forever."""
+@pytest.mark.parametrize("failure", ["step_fails", "batch_fails"])
+def test_owner_goes_out_of_service_after_failures_in_a_row(failure):
+    """A fault that survives recovery (every step fails, raising or handled by the engine) must not fail
+    requests forever."""
     owner, _ = make_owner()
-    owner.engine.step_fails = True
+    setattr(owner.engine, failure, True)
     for i in range(MAX_FAILURES_IN_A_ROW):
         assert owner._broken is None
         assert owner._submit(str(i), ([5], SamplingParams())) is None
         assert [o.finish_reason for o in owner._step()] == ["error"]
     assert "in a row" in owner._broken
     assert owner._submit("x", ([5], SamplingParams())).status == 503
+
+
+def test_owner_going_out_of_service_ends_the_requests_the_engine_still_holds():
+    """A failed step ends only the requests holding KV; the waiting ones must not hang once the engine
+    goes out of service."""
+    owner, _ = make_owner()
+    assert owner._submit("w", ([5], SamplingParams())) is None
+
+    def failed_step():
+        owner.engine.stats.failed_steps += 1
+        owner.engine.stats.last_failure = "the engine step failed: RuntimeError: boom"
+        return []  # the failed batch touched nothing: "w" was waiting
+
+    owner.engine.step = failed_step
+    for _ in range(MAX_FAILURES_IN_A_ROW - 1):
+        assert owner._step() == [] and owner._broken is None
+    outs = owner._step()
+    assert "in a row" in owner._broken
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("w", "error")]
+    assert "out of service" in outs[-1].error and owner._live == {}
 
 
 def test_not_ready_is_503():

@@ -36,6 +36,8 @@ class EngineConfig:
     run_ahead_full_depth: bool = True
     run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
     compile_threads: int | None = None  # start-up kernel compiles in parallel; None: the CPUs, at most 16
+    # TEST-ONLY: "STAGE:SEED@TOKENS,..." makes a step stage raise for chosen requests (engine/faults.py).
+    test_faults: str = ""
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -52,6 +52,7 @@ class IncrementalDetokenizer:
         self._core = core if core is not None else compiled_core
         self._special = special_ids(tokenizer)
         self._states: dict[int, object] = {}
+        self.fault_hook = None  # test-only: called with each key given to step; what it raises fails that key
 
     def add(
         self,
@@ -85,26 +86,60 @@ class IncrementalDetokenizer:
             text = self._tokenizer.decode(seed, skip_special_tokens=skip) if seed else ""
         return seed, len(text)
 
-    def step(self, updates: Mapping[int, Sequence[int]]) -> dict[int, tuple[str, bool]]:
+    def step(
+        self, updates: Mapping[int, Sequence[int]], failed: dict[int, Exception] | None = None
+    ) -> dict[int, tuple[str, bool]]:
         """Append each request's new ids; return key -> (text delta, stop_hit) for every key given,
         in the order given. A key that was never added is a KeyError.
 
         stop_hit stays True once a stop string was found; ids given after that are ignored.
+        failed: when given, a key whose ids, decode or stop check raise is left out of the result and
+        put here with its error, and the other keys go on; otherwise the first error is raised.
         """
         groups: dict[bool, tuple[list[int], list[object]]] = {True: ([], []), False: ([], [])}
+        errors: dict[int, Exception] = {}
         for key, ids in updates.items():
             state = self._states[key]
-            # The tokenizer wants Python ints: convert anything else (e.g. a numpy row) once here.
-            state.extend(ids if type(ids) is list else [int(i) for i in ids])
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(key)
+                # The tokenizer wants Python ints: convert anything else (e.g. a numpy row) once here.
+                state.extend(ids if type(ids) is list else [int(i) for i in ids])
+            except Exception as e:
+                errors[key] = e
+                continue
             keys, states = groups[state.skip_special_tokens]
             keys.append(key)
             states.append(state)
-        results: dict[int, tuple[str, bool]] = dict.fromkeys(updates)
+        results: dict[int, tuple[str, bool]] = dict.fromkeys(k for k in updates if k not in errors)
         for skip, (keys, states) in groups.items():
             if states:
-                for key, state, delta in zip(keys, states, self._decode(states, skip, final=False)):
-                    results[key] = (delta, state.stopped)
+                for key, state, delta in zip(keys, states, self._decode_each(states, skip)):
+                    if isinstance(delta, Exception):
+                        errors[key] = delta
+                        del results[key]
+                    else:
+                        results[key] = (delta, state.stopped)
+        if errors and failed is None:
+            raise next(iter(errors.values()))
+        if failed is not None:
+            failed.update(errors)
         return results
+
+    def _decode_each(self, states: list, skip: bool) -> list:
+        """Each state's delta, or the exception its own decode or stop check raised."""
+        try:
+            windows = self._core.plan_windows(states)
+            texts = self._tokenizer.decode_batch(windows, skip_special_tokens=skip) if windows else []
+        except Exception:
+            return [self._decode_one(state, skip) for state in states]  # find whose decode fails
+        return self._core.apply_decoded(states, texts, False)
+
+    def _decode_one(self, state, skip: bool):
+        try:
+            return self._decode([state], skip, final=False)[0]
+        except Exception as e:
+            return e
 
     def finish(self, key: int) -> str:
         """Flush the request: the text still held back, cut at a stop string if one appears in it.
@@ -117,7 +152,11 @@ class IncrementalDetokenizer:
     def _decode(self, states: list, skip: bool, final: bool) -> list[str]:
         windows = self._core.plan_windows(states)
         texts = self._tokenizer.decode_batch(windows, skip_special_tokens=skip) if windows else []
-        return self._core.apply_decoded(states, texts, final)
+        deltas = self._core.apply_decoded(states, texts, final)
+        for delta in deltas:
+            if isinstance(delta, Exception):
+                raise delta
+        return deltas
 
     def stopped(self, key: int) -> bool:
         """Whether a stop string ended the request's text."""

@@ -7,6 +7,11 @@ schedule -> execute -> apply (engine/plan.py holds the contracts):
   TokenEvents, and the engine checks stop conditions and turns tokens into text with
   the IncrementalDetokenizer. When run-ahead drives the batch (engine/gpu/), it
   hands each launch's StepResult to the same apply step.
+
+Every request leaves through `_finish`, whatever ends it, and `requests` holds exactly the
+requests that have not left. A step that raises ends the requests holding KV (`_fail_batch`);
+a failure that belongs to one request (its sampling state, detokenization or output) ends that
+request alone. Either way the others go on and the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from ..model.tokenizer import OuroTokenizer
 from ..model.weights import load_config, load_generation_eos, load_weights
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .faults import FaultInjector, parse_faults
 from .logits_processors import LogitsProcessors
 from .outputs import StepOutput, StepStats
 from .plan import StepPlan, StepResult, TokenEvents
@@ -91,6 +97,7 @@ class Engine:
         )
         self.runner = self._build_runner()
         self.detok = IncrementalDetokenizer(self.tokenizer.raw)
+        self.faults = self._build_faults()
         self.requests: dict[str, Request] = {}
         self.by_rid: dict[int, Request] = {}
         self.pending: list[
@@ -160,6 +167,16 @@ class Engine:
         runner.capture(lanes=self._run_ahead_wanted(), compile_threads=cfg.compile_threads)
         return runner
 
+    def _build_faults(self) -> FaultInjector:
+        faults = FaultInjector(parse_faults(self.config.test_faults))
+        if faults.stages:
+            logger.warning("TEST-ONLY fault injection is on (test_faults=%r): never in production",
+                           self.config.test_faults)  # fmt: skip
+            self.detok.fault_hook = lambda rid: faults.fire("detokenize", (self.by_rid[rid],))
+            processors = self.scheduler.sampling.processors
+            processors.fault_hook = lambda rid: faults.fire("sample", (self.by_rid[rid],))
+        return faults
+
     def _build_run_ahead(self):
         if not self._run_ahead_wanted():
             return None
@@ -208,7 +225,7 @@ class Engine:
             self.detok.add(rid, req.prompt_ids, params.skip_special_tokens, params.stop,
                            params.include_stop_str_in_output)  # fmt: skip
         except Exception:
-            self.scheduler.finish(rid)  # leave no half-registered request behind
+            self._forget_rid(rid)  # leave no half-registered request behind
             raise
         self.requests[request_id] = req
         self.by_rid[rid] = req
@@ -260,11 +277,36 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one loop for every scheduled row; return the outputs of requests with news.
 
-        Every output is queued in `pending` as soon as it exists, and handed out only when the step
-        returns: if the step raises, nothing is lost, and abort_all() returns them with the others."""
-        self._advance()
+        A step that raises ends the requests it touched with finish_reason "error" (`_fail_batch`)
+        and returns normally; `stats.failed_steps` counts such steps. Every output is queued in
+        `pending` as soon as it exists, and handed out only when the step returns: should even the
+        failure handling raise, nothing is lost, and abort_all() returns them with the others."""
+        try:
+            self._advance()
+        except Exception as e:
+            self._fail_batch(e)
         outputs, self.pending = self.pending, []
         return outputs
+
+    def _fail_batch(self, e: Exception) -> None:
+        """End the requests a failed step touched: those holding KV (the step's rows, and any whose
+        K/V copies rode on it), or, while run-ahead drives the device, every request."""
+        why = f"the engine step failed: {type(e).__name__}: {e}"
+        logger.error("%s: ending the requests holding KV", why, exc_info=e)
+        self.stats.failed_steps += 1
+        self.stats.last_failure = why
+        self.scheduler.sampling.processors.take_failed()  # requests of the failed batch: ended below
+        ahead = self.ahead is not None and self.ahead.active
+        hit = [r for r in self.requests.values() if ahead or self.scheduler.holds_kv(r.rid)]
+        for req in hit:
+            self.pending.append(self._finish(req, "error", why))
+        if ahead:
+            self.ahead.reset()
+
+    def _fire(self, stage: str, rids: np.ndarray) -> None:
+        """Test-only: the fault injector's turn at a batch stage, over the step's requests."""
+        if stage in self.faults.stages:
+            self.faults.fire(stage, [self.by_rid[r] for r in rids.tolist() if r in self.by_rid])
 
     def _advance(self) -> None:
         ahead = self.ahead
@@ -277,31 +319,74 @@ class Engine:
             plan = self.scheduler.schedule()
             if plan is None:
                 return
+            self._fire("schedule", plan.rid)
             if ahead is not None and ahead.eligible(plan) and ahead.start(plan):
                 ahead.step(self._apply)
                 return
         t1 = time.perf_counter()
+        self._fire("execute", plan.rid)
         result = self.runner.execute(plan)
         self._apply(plan, result, t1 - t0, time.perf_counter() - t1)
 
     def _apply(self, plan: StepPlan, result: StepResult, host_s: float, model_s: float) -> None:
         """The scheduler takes a step's result; new tokens become outputs (stop conditions, text)."""
         t0 = time.perf_counter()
+        failed = self.scheduler.sampling.processors.take_failed()  # rid -> why its sampling state failed
         for rid, entries in (result.prompt_logprobs or {}).items():
             self.by_rid[rid].prompt_logprobs.extend(lp for _, lp in entries)
+        self._fire("update", plan.rid)
         events = self.scheduler.update(result)
         t1 = time.perf_counter()
-        self.pending += self._outputs(events, plan, result)
+        self._outputs(events, plan, result, failed)
         self.stats.record(plan, events, self.scheduler, host_s + t1 - t0, model_s, time.perf_counter() - t1)
 
-    def _outputs(self, events: TokenEvents, plan: StepPlan, result: StepResult) -> list[StepOutput]:
-        new: dict[int, list[int]] = {}
-        finished: dict[int, str] = {}
-        now = time.monotonic()
+    def _outputs(self, events: TokenEvents, plan: StepPlan, result: StepResult, failed: dict[int, str]):
+        """Queue each request's news of the step. A request whose own part fails (its sampling state,
+        tokens, text or output; `failed`: rid -> why) ends alone with an error; the others go on."""
+        news: dict[int, list[tuple[int, int, int]]] = {}
         for rid, tok, loop, fin in zip(
             events.rid.tolist(), events.token.tolist(), events.loop.tolist(), events.finished.tolist()
         ):
+            news.setdefault(rid, []).append((tok, loop, fin))
+        new: dict[int, list[int]] = {}
+        finished: dict[int, str] = {}
+        now = time.monotonic()
+        for rid, toks in news.items():
+            if rid not in failed:
+                try:
+                    self._take_tokens(self.by_rid[rid], toks, plan, result, now, new, finished)
+                except Exception as e:
+                    failed[rid] = _why("taking its tokens", e)
+        new = {rid: ids for rid, ids in new.items() if rid not in failed}
+        broken: dict[int, Exception] = {}
+        deltas = self.detok.step(new, broken) if new else {}
+        failed.update((rid, _why("detokenizing", e)) for rid, e in broken.items())
+        for rid in (set(new) | set(finished)) - set(failed):
             req = self.by_rid[rid]
+            delta, stop_hit = deltas.get(rid, ("", False))
+            if stop_hit:
+                finished[rid] = "stop"
+            n_new = len(new.get(rid, ())) + (1 if finished.get(rid) == "stop" and not stop_hit else 0)
+            new_ids = req.output_ids[-n_new:] if n_new else []
+            if rid in finished:
+                self.pending.append(self._finish(req, finished[rid], delta=delta, new_ids=new_ids))
+                continue
+            try:
+                out = self._output(req, delta, new_ids, None)
+            except Exception as e:
+                failed[rid] = _why("building its output", e)
+                continue
+            req.text += delta
+            self.pending.append(out)
+        for rid, why in failed.items():
+            if rid in self.by_rid:
+                logger.error("request %s failed alone: %s", self.by_rid[rid].request_id, why)
+                self.pending.append(self._finish(self.by_rid[rid], "error", why))
+
+    def _take_tokens(self, req: Request, toks, plan, result, now: float, new: dict, finished: dict) -> None:
+        """Record a request's sampled tokens (ids, exit loops, logits, logprobs) and its stop conditions."""
+        rid = req.rid
+        for tok, loop, fin in toks:
             req.output_ids.append(tok)
             req.exit_loops.append(loop)
             if req.first_token_time is None:
@@ -317,39 +402,41 @@ class Engine:
                 new.setdefault(rid, []).append(tok)
                 if fin:
                     finished[rid] = "length"
-        deltas = self.detok.step(new) if new else {}
-        outs = []
-        for rid in set(new) | set(finished):
-            req = self.by_rid[rid]
-            delta, stop_hit = deltas.get(rid, ("", False))
-            if stop_hit:
-                finished[rid] = "stop"
-            n_new = len(new.get(rid, ())) + (1 if finished.get(rid) == "stop" and not stop_hit else 0)
-            new_ids = req.output_ids[-n_new:] if n_new else []
-            if rid in finished:
-                outs.append(self._finish(req, finished[rid], delta=delta, new_ids=new_ids))
-            else:
-                req.text += delta
-                outs.append(self._output(req, delta, new_ids, None))
-        return outs
 
     def _finish(
         self, req: Request, reason: str, error: str | None = None, delta: str = "", new_ids=()
     ) -> StepOutput:
-        self.scheduler.finish(req.rid)  # no-op when the scheduler already freed it (length cap)
-        self.scheduler.sampling.processors.remove(req.rid)
-        self.scheduler.sampling.prompts.pop(req.rid, None)
-        delta += self.detok.finish(req.rid)
-        if reason == "length" and self.detok.stopped(req.rid):
-            reason = "stop"  # the final flush revealed a stop string
+        """The one way out for a request, whatever ends it: frees its KV and its sampling and detokenizer
+        state, forgets it, and returns its final output. Once it has freed the KV it cannot raise: a
+        failing flush or output makes the final an error."""
+        self._forget_rid(req.rid, detok=False)  # its text is flushed next
+        try:
+            delta += self.detok.finish(req.rid)
+            if reason == "length" and self.detok.stopped(req.rid):
+                reason = "stop"  # the final flush revealed a stop string
+        except Exception as e:
+            reason, error = "error", error or _why("detokenizing", e)
         self.detok.remove(req.rid)
         req.text += delta
+        try:
+            out = self._output(req, delta, list(new_ids), reason, error)
+        except Exception as e:
+            out = _error_final(req, error or _why("building its output", e))
         del self.requests[req.request_id]
         del self.by_rid[req.rid]
-        return self._output(req, delta, list(new_ids), reason, error)
+        self.faults.forget(req.request_id)
+        return out
 
-    @staticmethod
-    def _output(req: Request, delta: str, new_ids: list[int], reason: str | None, error: str | None = None):
+    def _forget_rid(self, rid: int, detok: bool = True) -> None:
+        """Free what a rid holds outside the engine's maps: its KV, its sampling state and its detokenizer."""
+        self.scheduler.finish(rid)  # no-op when the scheduler already freed it (length cap)
+        self.scheduler.sampling.processors.remove(rid)
+        self.scheduler.sampling.prompts.pop(rid, None)
+        if detok:
+            self.detok.remove(rid)
+
+    def _output(self, req: Request, delta: str, new_ids: list[int], reason: str | None, error=None):
+        self.faults.fire("output", (req,))
         n = len(new_ids)
         return StepOutput(
             request_id=req.request_id,
@@ -364,3 +451,13 @@ class Engine:
             error=error,
             request=req if reason is not None else None,
         )
+
+
+def _why(what: str, e: Exception) -> str:
+    return f"{what} failed: {type(e).__name__}: {e}"
+
+
+def _error_final(req: Request, error: str) -> StepOutput:
+    """A final that building cannot fail: no text, no logprobs."""
+    n_prompt, n_out = len(req.prompt_ids), len(req.output_ids)
+    return StepOutput(req.request_id, [], "", True, "error", n_prompt, n_out, [], error)

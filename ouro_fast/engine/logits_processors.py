@@ -6,6 +6,9 @@ that min_tokens holds back, the output token counts and the tokens seen (prompt 
 built from the request's settings and tokens when the request first samples there (admission, or
 readmission after preemption), and each sampled token adds itself on the device, so a decode step reads
 nothing back and loops over no row in Python.
+
+A request whose row cannot be built is set aside in `failed` (its logits stay as they are) and the
+others are processed: the engine takes `failed` after the step and ends those requests alone.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class LogitsProcessors:
         self.requests: dict[int, tuple] = {}
         self.owner = np.full(num_slots, -1, np.int64)  # the rid whose state a slot's row holds
         self._state: tuple[torch.Tensor, ...] | None = None  # allocated on first use
+        self.failed: dict[int, str] = {}  # rid -> why its processor state failed, until take_failed()
+        self.fault_hook = None  # test-only: called with each processed rid; what it raises fails that rid
 
     def add(self, rid: int, params, prompt_ids: list[int], output_ids: list[int], stop_ids) -> None:
         """Register a request's settings; its output list is read (not copied) when its slot row is built."""
@@ -56,11 +61,11 @@ class LogitsProcessors:
         """New logits [rows, >= vocab] for rows of requests `rids` in KV slots `slots`, each having made
         `num_outputs` tokens so far; the rows that ask for nothing are unchanged."""
         rows = np.flatnonzero(self.active[rids])
+        if len(rows) and (self.fault_hook is not None or (self.owner[slots[rows]] != rids[rows]).any()):
+            rows = self._prepare(rows, rids, slots.astype(np.int64))
         if not len(rows):
             return logits
         rids, slots = rids[rows], slots[rows].astype(np.int64)
-        for slot, rid in zip(slots[self.owner[slots] != rids], rids[self.owner[slots] != rids]):
-            self._build(int(slot), int(rid))  # a request's first sample in this slot: rare
         counts, seen, bias, stop = self._state
         dev, v = self.device, self.vocab
         r, s = torch.from_numpy(rows).to(dev), torch.from_numpy(slots).to(dev)
@@ -75,6 +80,29 @@ class LogitsProcessors:
         out = logits.clone()
         out[r, :v] = x
         return out
+
+    def _prepare(self, rows: np.ndarray, rids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Build the slot rows of requests sampling in a slot for the first time (rare); the rows whose
+        request fails here are dropped and the request set aside in `failed`."""
+        keep = []
+        for row in rows.tolist():
+            rid, slot = int(rids[row]), int(slots[row])
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(rid)
+                if self.owner[slot] != rid:
+                    self._build(slot, rid)
+            except Exception as e:
+                self.failed[rid] = f"its sampling state failed: {type(e).__name__}: {e}"
+                self.remove(rid)
+                continue
+            keep.append(row)
+        return np.asarray(keep, dtype=np.int64)
+
+    def take_failed(self) -> dict[int, str]:
+        """The requests set aside since the last call (rid -> why); the caller ends them."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def count(self, rids: np.ndarray, slots: np.ndarray, ids: np.ndarray) -> None:
         """Add the tokens just sampled to their slots' counts, on the device (only rows that ask for any)."""

@@ -47,6 +47,8 @@ class StepStats:
     scheduler_seconds: float = 0.0
     model_seconds: float = 0.0
     detok_seconds: float = 0.0
+    failed_steps: int = 0  # steps that raised: their requests holding KV ended with an error
+    last_failure: str | None = None  # why the last failed step failed
 
     def __post_init__(self):
         self.total_rows_per_loop = [0] * self.num_loops

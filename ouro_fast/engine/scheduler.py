@@ -60,6 +60,10 @@ class Scheduler:
         """Forget a request and free its KV (a no-op when the core already freed it at its length cap)."""
         self.core.finish(rid)
 
+    def holds_kv(self, rid: int) -> bool:
+        """Whether the request is running (holds a KV slot), as opposed to waiting or finished."""
+        return self.core.status(rid) == RUNNING
+
     @property
     def num_running(self) -> int:
         return self.core.num_running

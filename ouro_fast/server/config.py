@@ -57,7 +57,7 @@ class ServerConfig:
     # sys.setswitchinterval for the worker, in ms (None: Python's 5 ms): how long the event loop may keep
     # the GIL once the engine-owner thread wants it back (a CUDA wait returned, its next launch to queue).
     gil_switch_ms: float | None = None
-    # Test-only fault injection, "SEED@TOKENS,...": see owner.parse_faults.
+    # Test-only fault injection, "STAGE:SEED@TOKENS,...": see engine/faults.py.
     test_faults: str = field(default="", repr=False)
 
     @property
@@ -78,7 +78,7 @@ class ServerConfig:
             "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
             "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
             "cuda_graphs", "refill", "run_ahead", "run_ahead_full_depth",
-            "run_ahead_depth", "compile_threads", "cpu_threads",
+            "run_ahead_depth", "compile_threads", "cpu_threads", "test_faults",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
@@ -124,6 +124,13 @@ class ServerConfig:
                 raise ConfigError(f"{env_name('chat_template')}: {e}") from None
         if self.compile_threads is not None and self.compile_threads < 1:
             raise ConfigError(f"{env_name('compile_threads')} must be >= 1, got {self.compile_threads}")
+        if self.test_faults:
+            from ..engine.faults import parse_faults
+
+            try:
+                parse_faults(self.test_faults)
+            except ValueError as e:
+                raise ConfigError(f"{env_name('test_faults')}: {e}") from None
         switch = self.gil_switch_ms
         if switch is not None and not 0.01 <= switch <= 1000:
             raise ConfigError(f"{env_name('gil_switch_ms')} must be in [0.01, 1000], got {switch}")

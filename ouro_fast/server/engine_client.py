@@ -17,7 +17,7 @@ from collections import deque
 from ..core.ring import RequestRing
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .owner import ABORT, ABORT_ALL, SUBMIT, EngineOwner, EngineSnapshot, ReadyInfo, Rejected, parse_faults
+from .owner import ABORT, ABORT_ALL, SUBMIT, EngineOwner, EngineSnapshot, ReadyInfo, Rejected
 from .protocol import ApiError, ModelInfo
 
 logger = logging.getLogger("ouro_fast.server")
@@ -76,7 +76,6 @@ class EngineClient:
             self.payloads,
             post=self._post_threadsafe,
             on_ready=self._ready_threadsafe,
-            faults=parse_faults(config.test_faults),
             chat_template=config.chat_template,
         )
 

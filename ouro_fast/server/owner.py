@@ -75,27 +75,6 @@ class EngineSnapshot:
     broken: str | None = None  # why the engine stopped serving, when it did
 
 
-def parse_faults(spec: str) -> dict[int, int]:
-    """TEST-ONLY fault injection, OURO_FAST_TEST_FAULTS="SEED@TOKENS,...".
-
-    A request whose sampling seed is SEED makes the engine step raise once it has
-    received TOKENS tokens (0: at its first step), exactly as a failure inside
-    Engine.step() would. Never set it in production.
-    """
-    faults = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        seed, _, tokens = part.partition("@")
-        try:
-            faults[int(seed)] = int(tokens or 0)
-        except ValueError:
-            raise ValueError(f"OURO_FAST_TEST_FAULTS: {part!r} is not SEED@TOKENS") from None
-    return faults
-
-
-class InjectedFault(RuntimeError):
-    """Raised in place of an engine step by the test-only fault hook."""
-
-
 class EngineOwner:
     """Builds the Engine in its own thread, then serves the ring until stop().
 
@@ -110,7 +89,6 @@ class EngineOwner:
         payloads: dict,
         post: Callable[[list, EngineSnapshot], None],
         on_ready: Callable[[ReadyInfo | None, str | None], None],
-        faults: dict[int, int] | None = None,
         chat_template: str | None = None,
     ):
         self.engine_options = engine_options
@@ -119,13 +97,11 @@ class EngineOwner:
         self.payloads = payloads
         self.post = post
         self.on_ready = on_ready
-        self.faults = faults or {}
         self.engine = None
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ouro-engine-owner", daemon=True)
         self._live: dict[str, int] = {}  # request id -> prompt tokens
-        self._armed: dict[str, list[int]] = {}  # request id -> [fault threshold, tokens so far]
         self._step_rows = [0] * (len(STEP_ROW_BUCKETS) + 1)
         self._steps = self._failures = self._rows_total = self._wakeups = 0
         self._failures_in_a_row = 0
@@ -232,24 +208,21 @@ class EngineOwner:
             logger.exception("add_request failed")
             return Rejected(rid, 500, f"the engine could not accept the request: {e}")
         self._live[rid] = len(prompt_ids)
-        if params.seed in self.faults:
-            self._armed[rid] = [self.faults[params.seed], 0]
         return None
 
     def _step(self) -> list:
-        steps_before = self.engine.stats.steps
+        """One engine step. A failed step ended the requests it touched itself; one whose failure
+        escaped the engine ends every request in flight."""
+        stats = self.engine.stats
+        steps_before, failed_before = stats.steps, stats.failed_steps
         try:
-            self._inject_fault()
             outs = self.engine.step()
         except Exception as e:
-            self._failures += 1
-            self._failures_in_a_row += 1
-            logger.exception("an engine step failed: ending every request in flight")
+            logger.exception("an engine step failed beyond its own recovery: ending every request in flight")
             outs = self._abort_all("error", f"the engine step failed: {type(e).__name__}: {e}")
-            if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW and self._broken is None:
-                self._broken = f"{self._failures_in_a_row} engine steps failed in a row; the last: {e!r}"
-                logger.error("the engine is out of service: %s", self._broken)
-            return self._track(outs)
+            return self._track(outs + self._failed(f"{type(e).__name__}: {e}"))
+        if stats.failed_steps != failed_before:
+            return self._track(outs + self._failed(stats.last_failure))
         self._failures_in_a_row = 0
         if self.engine.stats.steps != steps_before:
             self._steps += 1
@@ -258,19 +231,21 @@ class EngineOwner:
             self._step_rows[next((i for i, b in enumerate(STEP_ROW_BUCKETS) if rows <= b), -1)] += 1
         return self._track(outs)
 
-    def _inject_fault(self) -> None:
-        for rid, (threshold, tokens) in self._armed.items():
-            if tokens >= threshold:
-                del self._armed[rid]
-                raise InjectedFault(f"injected test fault for request {rid} (OURO_FAST_TEST_FAULTS)")
+    def _failed(self, why: str | None) -> list:
+        """Count a failed step; after MAX_FAILURES_IN_A_ROW the engine goes out of service, and the
+        requests it still holds (waiting ones) end."""
+        self._failures += 1
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row < MAX_FAILURES_IN_A_ROW or self._broken is not None:
+            return []
+        self._broken = f"{self._failures_in_a_row} engine steps failed in a row; the last: {why}"
+        logger.error("the engine is out of service: %s", self._broken)
+        return self._abort_all("error", f"the engine is out of service: {self._broken}")
 
     def _track(self, outs: list) -> list:
         for out in outs:
             if out.finished:
                 self._live.pop(out.request_id, None)
-                self._armed.pop(out.request_id, None)
-            elif out.request_id in self._armed:
-                self._armed[out.request_id][1] += len(out.new_token_ids)
         return outs
 
     def _abort_all(self, reason: str, error: str) -> list:
@@ -282,7 +257,6 @@ class EngineOwner:
             self._broken = f"{type(e).__name__}: {e}"
             outs = [_error_final(rid, n, self._broken) for rid, n in self._live.items()]
         self._live.clear()
-        self._armed.clear()
         return outs
 
     def _finish(self, batch: list) -> None:
