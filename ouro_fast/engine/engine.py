@@ -35,6 +35,7 @@ from .plan import StepPlan, StepResult, TokenEvents
 from .reference_runner import ReferenceRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .structured import Grammars
 
 logger = logging.getLogger("ouro_fast")
 
@@ -205,6 +206,8 @@ class Engine:
             if params.prompt_logprobs is not None:
                 s.prompts[rid] = np.asarray(req.prompt_ids, np.int32)
             s.processors.add(rid, params, req.prompt_ids, req.output_ids, req.eos_ids)
+            if params.structured is not None:
+                self._grammars().add(rid, params.structured)  # ValueError: an invalid schema or regex
             self.detok.add(rid, req.prompt_ids, params.skip_special_tokens, params.stop,
                            params.include_stop_str_in_output)  # fmt: skip
         except Exception:
@@ -214,6 +217,16 @@ class Engine:
         self.by_rid[rid] = req
         if self.ahead is not None and self.ahead.active:
             self.ahead.arrive(rid)  # the device runs ahead of the scheduler: it picks the launch
+
+    def _grammars(self) -> Grammars:
+        """Structured output's state, built by the first request that asks for it (importing xgrammar takes
+        a second or more); a grammar may end at every eos and at the chat template's end of turn."""
+        s = self.scheduler.sampling
+        if s.grammars is None:
+            stops = self.eos_ids | frozenset(self.tokenizer.end_of_turn_ids())
+            vocab, capacity = self.model_config.vocab_size, self.scheduler.capacity
+            s.grammars = Grammars.for_tokenizer(self.tokenizer, vocab, stops, capacity, self.device)
+        return s.grammars
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -297,6 +310,7 @@ class Engine:
     def _outputs(self, events: TokenEvents, plan: StepPlan, result: StepResult) -> list[StepOutput]:
         new: dict[int, list[int]] = {}
         finished: dict[int, str] = {}
+        broken: dict[int, str] = {}  # rid -> why it ends in error
         now = time.monotonic()
         for rid, tok, loop, fin in zip(
             events.rid.tolist(), events.token.tolist(), events.loop.tolist(), events.finished.tolist()
@@ -317,9 +331,11 @@ class Engine:
                 new.setdefault(rid, []).append(tok)
                 if fin:
                     finished[rid] = "length"
+            if req.params.structured is not None and rid not in broken:
+                self._follow_grammar(rid, tok, new, finished, broken)
         deltas = self.detok.step(new) if new else {}
-        outs = []
-        for rid in set(new) | set(finished):
+        outs = [self._finish(self.by_rid[rid], "error", error) for rid, error in broken.items()]
+        for rid in (set(new) | set(finished)) - set(broken):
             req = self.by_rid[rid]
             delta, stop_hit = deltas.get(rid, ("", False))
             if stop_hit:
@@ -333,11 +349,23 @@ class Engine:
                 outs.append(self._output(req, delta, new_ids, None))
         return outs
 
+    def _follow_grammar(self, rid: int, tok: int, new: dict, finished: dict, broken: dict) -> None:
+        """Advance rid's grammar by its token: a token that ends the grammar is a stop token (its text
+        never emitted); one the grammar rejects (never sampled under its mask) ends the request in error."""
+        grammars = self.scheduler.sampling.grammars
+        if not grammars.accept(rid, tok):
+            broken[rid] = f"token {tok} does not match the request's structured output"
+        elif grammars.complete(rid) and finished.get(rid) != "stop":
+            new[rid].pop()
+            finished[rid] = "stop"
+
     def _finish(
         self, req: Request, reason: str, error: str | None = None, delta: str = "", new_ids=()
     ) -> StepOutput:
         self.scheduler.finish(req.rid)  # no-op when the scheduler already freed it (length cap)
         self.scheduler.sampling.processors.remove(req.rid)
+        if self.scheduler.sampling.grammars is not None:
+            self.scheduler.sampling.grammars.remove(req.rid)
         self.scheduler.sampling.prompts.pop(req.rid, None)
         delta += self.detok.finish(req.rid)
         if reason == "length" and self.detok.stopped(req.rid):
