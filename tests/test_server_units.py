@@ -100,7 +100,7 @@ def test_completion_defaults_and_neutral_fields():
     "field, value",
     [("use_beam_search", True), ("length_penalty", 0.5), ("suffix", "end"),
      ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
-     ("structured_outputs", {"regex": "a"}),
+     ("guided_grammar", "root ::= [a]"),
      ("bad_words", ["x"]), ("allowed_token_ids", [1]), ("truncate_prompt_tokens", 4),
      ("return_tokens_as_token_ids", True)],
 )  # fmt: skip
@@ -108,6 +108,7 @@ def test_a_feature_the_engine_lacks_is_a_400_naming_it(field, value):
     with pytest.raises(ApiError) as e:
         protocol.parse_completion({"prompt": "x", field: value}, INFO)
     assert e.value.status == 400 and e.value.param == field and "not supported" in e.value.message
+    assert ("structured_outputs" in e.value.message) == field.startswith("guided_")
 
 
 def test_neutral_values_and_unknown_fields_pass():
@@ -118,7 +119,7 @@ def test_neutral_values_and_unknown_fields_pass():
             "response_format": {"type": "text"}}  # fmt: skip
     assert protocol.parse_chat(chat, INFO, lambda *a, **k: "T").chat
     with pytest.raises(ApiError) as e:
-        protocol.parse_chat({**chat, "response_format": {"type": "json_object"}}, INFO, lambda *a, **k: "T")
+        protocol.parse_chat({**chat, "response_format": {"type": "yaml"}}, INFO, lambda *a, **k: "T")
     assert e.value.param == "response_format"
 
 

@@ -41,6 +41,7 @@ from .plan import StepPlan, StepResult, TokenEvents
 from .reference_runner import ReferenceRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .structured import Grammars
 
 logger = logging.getLogger("ouro_fast")
 
@@ -222,6 +223,8 @@ class Engine:
             if params.prompt_logprobs is not None:
                 s.prompts[rid] = np.asarray(req.prompt_ids, np.int32)
             s.processors.add(rid, params, req.prompt_ids, req.output_ids, req.eos_ids)
+            if params.structured is not None:
+                self._grammars().add(rid, params.structured)  # ValueError: an invalid schema or regex
             self.detok.add(rid, req.prompt_ids, params.skip_special_tokens, params.stop,
                            params.include_stop_str_in_output)  # fmt: skip
         except Exception:
@@ -231,6 +234,16 @@ class Engine:
         self.by_rid[rid] = req
         if self.ahead is not None and self.ahead.active:
             self.ahead.arrive(rid)  # the device runs ahead of the scheduler: it picks the launch
+
+    def _grammars(self) -> Grammars:
+        """Structured output's state, built by the first request that asks for it (importing xgrammar takes
+        a second or more); a grammar may end at every eos and at the chat template's end of turn."""
+        s = self.scheduler.sampling
+        if s.grammars is None:
+            stops = self.eos_ids | frozenset(self.tokenizer.end_of_turn_ids())
+            vocab, capacity = self.model_config.vocab_size, self.scheduler.capacity
+            s.grammars = Grammars.for_tokenizer(self.tokenizer, vocab, stops, capacity, self.device)
+        return s.grammars
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -402,6 +415,18 @@ class Engine:
                 new.setdefault(rid, []).append(tok)
                 if fin:
                     finished[rid] = "length"
+            if req.params.structured is not None:
+                self._follow_grammar(rid, tok, new, finished)
+
+    def _follow_grammar(self, rid: int, tok: int, new: dict, finished: dict) -> None:
+        """Advance rid's grammar by its token: a token that ends the grammar is a stop token (its text never
+        emitted). ValueError for one the grammar rejects (never sampled under its mask)."""
+        grammars = self.scheduler.sampling.grammars
+        if not grammars.accept(rid, tok):
+            raise ValueError(f"token {tok} does not match the request's structured output")
+        if grammars.complete(rid) and finished.get(rid) != "stop":
+            new[rid].pop()
+            finished[rid] = "stop"
 
     def _finish(
         self, req: Request, reason: str, error: str | None = None, delta: str = "", new_ids=()
@@ -431,6 +456,8 @@ class Engine:
         """Free what a rid holds outside the engine's maps: its KV, its sampling state and its detokenizer."""
         self.scheduler.finish(rid)  # no-op when the scheduler already freed it (length cap)
         self.scheduler.sampling.processors.remove(rid)
+        if self.scheduler.sampling.grammars is not None:
+            self.scheduler.sampling.grammars.remove(rid)
         self.scheduler.sampling.prompts.pop(rid, None)
         if detok:
             self.detok.remove(rid)

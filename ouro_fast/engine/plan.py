@@ -42,6 +42,8 @@ class SamplingTable:
     prompts: dict  # rid -> prompt ids, for the requests that want prompt logprobs
     # LogitsProcessors: penalties, logit_bias, min_tokens (engine/logits_processors.py).
     processors: object = None
+    # Grammars: the next-token masks of requests with structured output (engine/structured.py).
+    grammars: object = None
 
     @classmethod
     def empty(cls, capacity: int) -> SamplingTable:

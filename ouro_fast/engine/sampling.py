@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .plan import StepPlan, StepResult, TokenLogprobs
+from .structured import StructuredOutput
 
 # Temperatures below this sample greedily: logits / temperature would overflow float32.
 GREEDY_EPS = 1e-5
@@ -49,6 +50,8 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # What the output must match (a JSON schema, a regex, ...): engine/structured.py; None: anything.
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +109,10 @@ class SamplingParams:
         ok = isinstance(bias, dict) and all(_is_int(t) and t >= 0 and _is_real(v) and -100 <= v <= 100
                                             for t, v in bias.items())  # fmt: skip
         _check(ok, "logit_bias", "a map of token ids to numbers in [-100, 100]", self.logit_bias)
+        if self.structured is not None:
+            ok = isinstance(self.structured, StructuredOutput)
+            _check(ok, "structured", "a StructuredOutput", self.structured)
+            self.structured.validate()
         lo = 1 if self.min_loops is None else self.min_loops
         hi = num_loops if self.max_loops is None else self.max_loops
         _check(_is_int(lo) and 1 <= lo <= num_loops, "min_loops", f"an integer in [1, {num_loops}]", lo)
@@ -337,6 +344,8 @@ def sample_exited(
         chosen = logits
         if proc is not None and proc.any(rids):
             chosen = proc.apply(logits, rids, slots, s.num_outputs[rids])
+        if s.grammars is not None and s.grammars.any(rids):
+            chosen = s.grammars.apply(chosen, rids)
         seeds = [None if v < 0 else int(v) for v in s.seed[rids]]
         ids = sampler(
             chosen,

@@ -34,6 +34,32 @@ class StreamOptions(ApiModel):
     continuous_usage_stats: bool | None = None
 
 
+class JsonSchemaFormat(ApiModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(ApiModel):
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(ApiModel):
+    """vLLM's structured_outputs: one of json (a schema), regex, choice, grammar (EBNF) and json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+    disable_any_whitespace: bool | None = None  # JSON is always generated without free whitespace
+
+
 class SamplingFields(ApiModel):
     """What completions and chat share: the sampler, the stop conditions, streaming, Ouro's exit policy."""
 
@@ -57,12 +83,13 @@ class SamplingFields(ApiModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
     length_penalty: float | None = None
     use_beam_search: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # vLLM fields that change what is generated: refused, not ignored, so nobody gets unconstrained text.
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
     truncate_prompt_tokens: Any = None
@@ -112,7 +139,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(ApiModel):
@@ -135,12 +161,10 @@ NEUTRAL: dict[str, tuple] = {
     "suffix": (),
     "tools": ([],),
     "tool_choice": ("none",),
-    "response_format": ({"type": "text"},),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
-    "structured_outputs": (),
     "bad_words": ([],),
     "allowed_token_ids": (),
     "truncate_prompt_tokens": (),

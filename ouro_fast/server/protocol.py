@@ -8,6 +8,7 @@ engine does not do yet is a 400.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -167,6 +168,8 @@ def _check_supported(req: SamplingFields) -> None:
     found = unsupported(req)
     if found is not None:
         name, value = found
+        if name.startswith("guided_"):
+            raise bad(name, f"{name} is not supported: use structured_outputs, which replaced it in vLLM")
         raise bad(name, f"{name} {_show(value)} is not supported yet")
 
 
@@ -189,7 +192,42 @@ def _options(req: SamplingFields) -> dict:
     logprobs = _logprobs(req)
     if logprobs is not None:
         opts["logprobs"] = logprobs
+    structured = _structured(req)
+    if structured is not None:
+        opts["structured"] = structured
     return opts
+
+
+def _structured(req: SamplingFields) -> tuple[str, str] | None:
+    """(kind, spec) of what the output must match, from response_format or structured_outputs (not both)."""
+    fmt, so = req.response_format, req.structured_outputs
+    wanted = None
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            wanted = ("json_object", "")
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise bad("response_format", "response_format json_schema needs json_schema.schema")
+            wanted = ("json", json.dumps(fmt.json_schema.schema_))
+        else:
+            raise bad("response_format", f"response_format type must be text, json_object or json_schema, "
+                                         f"got {_show(fmt.type)}")  # fmt: skip
+    if so is None:
+        return wanted
+    if so.structural_tag is not None:
+        raise bad("structured_outputs", "structured_outputs.structural_tag is not supported yet")
+    fields = (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
+              ("json_object", so.json_object or None))  # fmt: skip
+    given = [(kind, value) for kind, value in fields if value is not None]
+    if len(given) != 1 or wanted is not None:
+        why = "give one of structured_outputs' json, regex, choice, grammar, json_object; no response_format"
+        raise bad("structured_outputs", why)
+    kind, value = given[0]
+    if kind == "json_object":
+        return kind, ""
+    if kind == "choice" and (not value or not all(value)):
+        raise bad("structured_outputs", "structured_outputs.choice must be a list of non-empty strings")
+    return kind, value if isinstance(value, str) and kind != "choice" else json.dumps(value)
 
 
 _PROCESSORS_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
@@ -350,6 +388,10 @@ def sampling_params(req: GenerateRequest, prompt_len: int, info: ModelInfo):
         # A chat reply ends with its turn, whatever generation_config.json lists.
         stops = list(options.get("stop_token_ids", ()))
         options = {**options, "stop_token_ids": stops + [t for t in info.end_of_turn_ids if t not in stops]}
+    if "structured" in options:
+        from ..engine.structured import StructuredOutput
+
+        options = {**options, "structured": StructuredOutput(*options["structured"])}
     params = SamplingParams(max_tokens=max_tokens, **options)
     try:
         params.validate(info.num_loops)

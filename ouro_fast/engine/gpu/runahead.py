@@ -98,7 +98,7 @@ class RunAhead(Seating):
 
     def _plain(self, rid: int) -> bool:
         # Sampling the device does alone: greedy or plain temperature, unseeded, few stop ids, no logprobs,
-        # no logits processors.
+        # no logits processors, no grammar.
         req = self.requests[rid]
         p = req.params
         plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p == 0)
@@ -109,6 +109,7 @@ class RunAhead(Seating):
             and plain
             and len(req.eos_ids) <= MAX_STOP_IDS
             and p.logprobs is None
+            and p.structured is None
             and not processed
         )
 

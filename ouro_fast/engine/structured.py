@@ -1,0 +1,142 @@
+"""Structured output: a grammar (a JSON schema, any JSON object, a regex, a choice, an EBNF grammar) decides
+which tokens a request may sample next.
+
+xgrammar compiles each distinct grammar once against the tokenizer's vocabulary (cached by its spec). Each
+request that asks for one holds a matcher that advances with every token the request accepts and then fills
+the request's row of a token bitmask for its next token, right away, on the host: with early exit the token
+may be sampled at any later loop, and the row is ready whichever it is. The sampler masks the logits of the
+rows that have a grammar on the logits' device; rows without one pay nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# xgrammar's rule for a character of a length-bounded string lets raw control characters through, which JSON
+# forbids; its unbounded strings already exclude them, as this does.
+_LOOSE_CHAR, _JSON_CHAR = r"([^\"\\\r\n])", r"([^\0-\x1f\"\\])"
+# xgrammar's errors start with "[time] source:line: " and sometimes a failed check's text: not for clients.
+_NOISE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*|Check failed: \(.*?\) is false:\s*")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match. kind: one of KINDS; spec: the JSON schema (JSON text), the
+    regex, the EBNF grammar, or for a choice a JSON list of the strings allowed (json_object: empty)."""
+
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
+        if self.kind == "choice":
+            choices = json.loads(self.spec)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+
+    def ebnf(self) -> str:
+        """The grammar of a choice: one alternative per string, JSON's escapes being EBNF's."""
+        return "root ::= " + " | ".join(json.dumps(c) for c in json.loads(self.spec))
+
+
+class Grammars:
+    """Compiled grammars (by spec), and the live matchers and next-token bitmask rows of requests (by rid)."""
+
+    def __init__(self, encoded_vocab: list[str], vocab_size: int, stop_ids, capacity: int, device):
+        import xgrammar  # only once a request asks for a grammar: its first import takes a second or more
+
+        self.xgr = xgrammar
+        byte_level, stops = xgrammar.VocabType.BYTE_LEVEL, sorted(stop_ids)
+        info = xgrammar.TokenizerInfo(encoded_vocab, byte_level, vocab_size=vocab_size, stop_token_ids=stops)
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self.compiled: dict[StructuredOutput, object] = {}
+        self.matchers: dict[int, object] = {}
+        self.active = np.zeros(capacity, bool)
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        self.bitmask = xgrammar.allocate_token_bitmask(capacity, vocab_size)
+        if pin:
+            self.bitmask = self.bitmask.pin_memory()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int, stop_ids, capacity: int, device) -> Grammars:
+        """From an OuroTokenizer (byte-level BPE): its tokens by id; ids beyond them are never allowed."""
+        vocab = tokenizer.raw.get_vocab(with_added_tokens=True)
+        encoded = [""] * (max(vocab.values()) + 1)
+        for token, i in vocab.items():
+            encoded[i] = token
+        return cls(encoded, vocab_size, stop_ids, capacity, device)
+
+    def compile(self, want: StructuredOutput):
+        """The compiled grammar (cached); ValueError saying what is wrong with an invalid one."""
+        if want in self.compiled:
+            return self.compiled[want]
+        want.validate()
+        c = self.compiler
+        try:
+            if want.kind in ("json", "json_object"):
+                schema = want.spec if want.kind == "json" else '{"type": "object"}'  # any object, as OpenAI's
+                ebnf = str(self.xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+                grammar = c.compile_grammar(ebnf.replace(_LOOSE_CHAR, _JSON_CHAR))
+            elif want.kind == "regex":
+                grammar = c.compile_regex(want.spec)
+            elif want.kind == "choice":
+                grammar = c.compile_grammar(want.ebnf())
+            else:
+                grammar = c.compile_grammar(want.spec)
+        except RuntimeError as e:
+            raise ValueError(f"invalid {want.kind}: {_clean(e)}") from None
+        self.compiled[want] = grammar
+        return grammar
+
+    def add(self, rid: int, want: StructuredOutput) -> None:
+        """Start request rid's matcher; its first token's mask is filled now."""
+        matcher = self.xgr.GrammarMatcher(self.compile(want))
+        self.matchers[rid] = matcher
+        self.active[rid] = True
+        matcher.fill_next_token_bitmask(self.bitmask, rid)
+
+    def remove(self, rid: int) -> None:
+        self.matchers.pop(rid, None)
+        self.active[rid] = False
+
+    def any(self, rids: np.ndarray) -> bool:
+        return bool(self.active[rids].any())
+
+    def apply(self, logits: torch.Tensor, rids: np.ndarray) -> torch.Tensor:
+        """Logits [rows, >= vocab] of requests `rids` with each grammar row's disallowed tokens at -inf (a
+        copy; the input keeps the raw logits that log-probabilities are taken from)."""
+        rows = np.flatnonzero(self.active[rids])
+        own = torch.from_numpy(rids[rows].astype(np.int64))
+        masks = self.bitmask[own].to(logits.device, non_blocking=True)
+        full = torch.full((logits.shape[0], masks.shape[1]), -1, dtype=torch.int32, device=logits.device)
+        full[torch.from_numpy(rows).to(logits.device)] = masks
+        out = logits.clone()
+        self.xgr.apply_token_bitmask_inplace(out, full, vocab_size=min(out.shape[1], masks.shape[1] * 32))
+        return out
+
+    def accept(self, rid: int, token: int) -> bool:
+        """Advance rid's matcher by its sampled token and fill the next token's mask; False if the grammar
+        rejects the token."""
+        matcher = self.matchers[rid]
+        if not matcher.accept_token(token):
+            return False
+        if not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(self.bitmask, rid)
+        return True
+
+    def complete(self, rid: int) -> bool:
+        """The grammar has ended: the request accepted a stop token where the grammar may end."""
+        return self.matchers[rid].is_terminated()
+
+
+def _clean(error: Exception) -> str:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return _NOISE.sub("", _NOISE.sub("", first)).strip()

@@ -1,0 +1,288 @@
+"""Structured output on the tiny random model: it knows nothing of JSON, so only the grammar's mask can make
+its output valid. Engine-level cases cover every mode at full depth and with early exit; the server cases
+cover the request fields, streaming and the errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+from ouro_fast.engine.engine import Engine
+from ouro_fast.engine.sampling import SamplingParams
+from ouro_fast.engine.structured import Grammars, StructuredOutput
+from tests.server_helpers import ServerProcess
+
+S = {"type": "string", "maxLength": 6}
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["a", "bb", 'c"d']}, "maxItems": 3}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": -5, "maximum": 5},
+                    "y": {"type": "integer", "minimum": -5, "maximum": 5},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["point"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"kind": {"enum": ["cat", "dog", 3, None]}, "note": S},
+        "required": ["kind"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 10, "maximum": 99},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {
+                    "b": {
+                        "type": "object",
+                        "properties": {"c": {"type": "boolean"}},
+                        "required": ["c"],
+                        "additionalProperties": False,
+                    }
+                },
+                "required": ["b"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    {"enum": ["red", "green", "blue"]},
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 9},
+            "alias": S,
+            "flag": {"type": "boolean"},
+        },
+        "required": ["id"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "pairs": {
+                "type": "array",
+                "maxItems": 2,
+                "items": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2},
+            }
+        },
+        "required": ["pairs"],
+        "additionalProperties": False,
+    },
+]
+REGEXES = [r"[a-c]{2,4}-\d\d", r"(yes|no)!", r"\d{3}\.[xyz]+", r"[A-Z][a-z]{0,3}( [A-Z][a-z]{0,3})?"]
+# Sums of small numbers: the grammar case, checked by an equivalent regex.
+GRAMMAR = 'root ::= num (("+" | "*") num)*\nnum ::= [1-9] [0-9]?'
+GRAMMAR_RE = r"[1-9][0-9]?([+*][1-9][0-9]?)*"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(num_kv_blocks=1024, max_num_seqs=64)
+
+
+def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    """Every request to its end: request id -> (text, finish reason, tokens)."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.request.text, out.finish_reason, len(out.request.output_ids))
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
+    return done
+
+
+def params(want: StructuredOutput, i: int, **extra) -> SamplingParams:
+    # Half greedy, half sampled; half at full depth, half exiting early.
+    temperature = 0.0 if i % 4 == 0 else 1.0
+    return SamplingParams(max_tokens=120, temperature=temperature, seed=i, structured=want,
+                          exit_threshold=0.5 if i % 2 else 1.0, **extra)  # fmt: skip
+
+
+def test_two_hundred_json_outputs_validate_against_their_schemas(engine):
+    rng = np.random.default_rng(0)
+    reqs, schema_of = {}, {}
+    for i in range(200):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        prompt = rng.integers(3, 1000, int(rng.integers(1, 12))).tolist()
+        reqs[f"j{i}"] = (prompt, params(StructuredOutput("json", json.dumps(schema)), i))
+        schema_of[f"j{i}"] = schema
+    done = run(engine, reqs)
+    depths = engine.stats.exit_depth_histogram
+    assert sum(depths[:-1]) > 0  # early exit happened
+    for rid, (text, reason, _) in done.items():
+        assert reason == "stop", (rid, text)
+        jsonschema.validate(json.loads(text), schema_of[rid])
+
+
+def test_without_the_mask_the_model_writes_no_json(engine):
+    reqs = {f"free{i}": ([5 + i], SamplingParams(max_tokens=30, temperature=1.0, seed=i)) for i in range(10)}
+    for text, _, _ in run(engine, reqs).values():
+        with pytest.raises(ValueError):
+            json.loads(text)
+
+
+def test_regex_choice_and_grammar_outputs_match(engine):
+    choices = ["yes", "no", 'say "maybe"', "a\\b"]
+    reqs, check = {}, {}
+    for i in range(24):
+        kind = ("regex", "choice", "grammar")[i % 3]
+        if kind == "regex":
+            pattern = REGEXES[i % len(REGEXES)]
+            want = StructuredOutput("regex", pattern)
+            check[f"s{i}"] = lambda t, p=pattern: re.fullmatch(p, t) is not None
+        elif kind == "choice":
+            want = StructuredOutput("choice", json.dumps(choices))
+            check[f"s{i}"] = lambda t: t in choices
+        else:
+            want = StructuredOutput("grammar", GRAMMAR)
+            check[f"s{i}"] = lambda t: re.fullmatch(GRAMMAR_RE, t) is not None
+        reqs[f"s{i}"] = ([7, 8, 9 + i], params(want, i))
+    for rid, (text, reason, _) in run(engine, reqs).items():
+        assert reason == "stop" and check[rid](text), (rid, text, reason)
+
+
+def test_a_grammar_that_ends_without_eos_still_stops(engine):
+    # ignore_eos leaves no eos among the request's stop ids: the grammar's end is its stop all the same.
+    want = StructuredOutput("choice", json.dumps(["left", "right"]))
+    free_of_eos = SamplingParams(max_tokens=40, seed=1, ignore_eos=True, structured=want)
+    done = run(engine, {"ie": ([3, 4], free_of_eos)})
+    text, reason, tokens = done["ie"]
+    assert text in ("left", "right") and reason == "stop" and tokens < 40
+
+
+def test_structured_requests_batch_with_free_ones_unchanged(engine):
+    # Rows without a grammar pay nothing and sample exactly what they would alone.
+    free = SamplingParams(max_tokens=12, temperature=1.0, seed=42)
+    alone = run(engine, {"alone": ([11, 12, 13], free)})["alone"]
+    want = StructuredOutput("json", json.dumps(SCHEMAS[0]))
+    mixed = run(engine, {"with": ([11, 12, 13], free), "g": ([11, 12, 13], params(want, 1))})
+    assert mixed["with"] == alone
+
+
+def test_invalid_specs_are_value_errors_that_say_what_is_wrong(engine):
+    cases = [("json", '{"type": "strnig"}', "strnig"), ("json", "not json", "JSON"),
+             ("regex", "a(b", "parenthes"), ("grammar", 'root ::= "a" |', "EBNF"),
+             ("choice", "[]", "non-empty"), ("yaml", "x", "kind")]  # fmt: skip
+    for kind, spec, says in cases:
+        want = SamplingParams(structured=StructuredOutput(kind, spec))
+        with pytest.raises(ValueError) as e:
+            engine.add_request(f"bad-{kind}-{says}", [5], want)
+        assert says in str(e.value) and "/project" not in str(e.value) and "[" not in str(e.value)[:1]
+    assert not engine.requests  # nothing half-registered
+
+
+def test_each_grammar_is_compiled_once(engine):
+    grammars: Grammars = engine.scheduler.sampling.grammars
+    want = StructuredOutput("regex", r"z+")
+    first = grammars.compile(want)
+    assert grammars.compile(StructuredOutput("regex", r"z+")) is first
+    assert grammars.compile(StructuredOutput("regex", r"zz+")) is not first
+
+
+# ---- the server ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sdk():
+    srv = ServerProcess("single", {"OURO_FAST_NUM_KV_BLOCKS": "1024"})
+    try:
+        srv.wait_ready()
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        srv.stop()
+
+
+def test_response_format_json_schema_in_chat_stream_and_not(sdk):
+    schema = SCHEMAS[0]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Who?"}]
+    for i, threshold in enumerate((1.0, 0.5)):
+        extra = {"exit_threshold": threshold}
+        r = sdk.chat.completions.create(model="ouro-tiny-random", messages=messages, response_format=fmt,
+                                        seed=i, max_tokens=100, extra_body=extra)  # fmt: skip
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        text, reasons = "", []
+        for chunk in sdk.chat.completions.create(model="ouro-tiny-random", messages=messages, stream=True,
+                                                 response_format=fmt, seed=10 + i, max_tokens=100,
+                                                 extra_body=extra):  # fmt: skip
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                reasons.append(c.finish_reason)
+        assert reasons[-1] == "stop"
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_and_structured_outputs_on_completions(sdk):
+    r = sdk.completions.create(model="ouro-tiny-random", prompt="x", max_tokens=100, seed=3,
+                               extra_body={"response_format": {"type": "json_object"}})  # fmt: skip
+    assert isinstance(json.loads(r.choices[0].text), dict)
+    body = {"structured_outputs": {"choice": ["alpha", "beta"]}}
+    r = sdk.completions.create(model="ouro-tiny-random", prompt="x", max_tokens=20, n=3, extra_body=body)
+    assert {c.text for c in r.choices} <= {"alpha", "beta"} and len(r.choices) == 3
+    body = {"structured_outputs": {"regex": REGEXES[0]}}
+    text = "".join(c.choices[0].text for c in sdk.completions.create(
+        model="ouro-tiny-random", prompt="x", max_tokens=20, stream=True, extra_body=body))  # fmt: skip
+    assert re.fullmatch(REGEXES[0], text)
+    body = {"structured_outputs": {"grammar": GRAMMAR}}
+    r = sdk.completions.create(model="ouro-tiny-random", prompt="x", max_tokens=30, extra_body=body)
+    assert re.fullmatch(GRAMMAR_RE, r.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strnig"}}}}, "strnig"),
+     ({"structured_outputs": {"regex": "a(b"}}, "parenthes"),
+     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "one of"),
+     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "one of"),
+     ({"structured_outputs": {"choice": []}}, "non-empty"),
+     ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag"),
+     ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
+     ({"response_format": {"type": "yaml"}}, "yaml")],
+)  # fmt: skip
+def test_bad_structured_requests_are_400s_that_say_why(sdk, extra, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model="ouro-tiny-random", prompt="x", max_tokens=5, extra_body=extra)
+    assert says in e.value.message
