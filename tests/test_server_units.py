@@ -59,6 +59,36 @@ def test_config_from_env():
         ServerConfig.from_env({"OURO_FAST_GIL_SWITCH_MS": "0"})
 
 
+def test_api_key_file_and_redaction(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("\n  s3cret-from-file \n")
+    c = ServerConfig.from_env({"OURO_FAST_API_KEY_FILE": str(key_file)})
+    assert (c.api_key, c.api_key_file) == ("s3cret-from-file", str(key_file))
+    for shown in (repr(c), str(c), f"{c}", repr(ServerConfig(api_key="s3cret-from-file"))):
+        assert "s3cret" not in shown and "api_key='<redacted>'" in shown
+    assert "api_key=None" in repr(ServerConfig())
+    both = {"OURO_FAST_API_KEY": "k", "OURO_FAST_API_KEY_FILE": str(key_file)}
+    with pytest.raises(ConfigError, match="OURO_FAST_API_KEY and OURO_FAST_API_KEY_FILE"):
+        ServerConfig.from_env(both)
+    with pytest.raises(ConfigError, match="cannot read .*missing: No such file"):
+        ServerConfig.from_env({"OURO_FAST_API_KEY_FILE": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="cannot read .*Is a directory"):
+        ServerConfig.from_env({"OURO_FAST_API_KEY_FILE": str(tmp_path)})
+    key_file.write_text(" \n\t")
+    with pytest.raises(ConfigError, match="holds no key"):
+        ServerConfig.from_env({"OURO_FAST_API_KEY_FILE": str(key_file)})
+    key_file.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        ServerConfig.from_env({"OURO_FAST_API_KEY_FILE": str(key_file)})
+
+
+def test_metrics_label_is_a_served_name_never_a_path(tmp_path):
+    assert ServerConfig().metrics_model_name == "ouro-tiny-random"
+    assert ServerConfig(model=str(tmp_path / "ckpt") + "/").metrics_model_name == "ckpt"
+    assert ServerConfig(model="/", served_model_name=("a", "b")).metrics_model_name == "a"
+    assert ServerConfig(model="/").metrics_model_name == "ouro-tiny-random"
+
+
 def test_gil_switch_interval_applied_only_when_set():
     from ouro_fast.server.app import apply_gil_switch
 
@@ -177,11 +207,11 @@ def test_an_overlong_prompt_is_named_as_such():
 
 
 def test_request_id_echo():
-    assert protocol.request_id("bench-1", False) == "cmpl-bench-1"
-    assert protocol.request_id("x", True) == "chatcmpl-x"
-    for bad in (None, "", "a\nb", "é", "x" * 5000):
-        rid = protocol.request_id(bad, False)
-        assert rid.startswith("cmpl-") and len(rid) == 37
+    assert protocol.request_id("bench-1") == "bench-1" and protocol.request_id("a.B:9_-") == "a.B:9_-"
+    assert protocol.request_id("x" * 128) == "x" * 128
+    assert protocol.response_id("x", True) == "chatcmpl-x" and protocol.response_id("x", False) == "cmpl-x"
+    for bad in (None, "", "a\nb", "bench-1\n", "é", "a b", "a/b", "<x>", "x" * 129, "x" * 5000, "\udcff"):
+        assert len(protocol.request_id(bad)) == 32
 
 
 def test_sse_event_is_ascii_framed():

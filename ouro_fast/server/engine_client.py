@@ -61,7 +61,7 @@ class EngineClient:
         self.ring = RequestRing(config.ring_capacity)
         self.payloads: dict[int, tuple] = {}
         self.handles: dict[str, RequestHandle] = {}
-        self.metrics = ServerMetrics(config.model_names[0])
+        self.metrics = ServerMetrics(config.metrics_model_name)
         self.info: ModelInfo | None = None
         self.tokenizer = None
         self.state = "loading"  # loading -> ready -> stopping; or failed

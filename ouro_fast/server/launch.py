@@ -15,20 +15,20 @@ from pathlib import Path
 
 from .config import OPTION_HELP, ConfigError, ServerConfig, env_name, listen_address
 
-# Settings that are not command-line options: test_faults is test-only, set by environment.
-_NOT_OPTIONS = frozenset({"test_faults"})
+# Settings that are not command-line options: the test-only fault hooks, set by environment.
+_NOT_OPTIONS = frozenset({"test_faults", "test_owner_faults"})
 
 
 def _metavar(f: dataclasses.Field) -> str:
     kind = str(f.type)
     if "bool" in kind:
         return "BOOL"
-    if f.name in ("model", "chat_template"):
-        return "PATH" if f.name == "model" else "TEMPLATE"
+    if f.name in ("model", "chat_template", "api_key_file"):
+        return "TEMPLATE" if f.name == "chat_template" else "PATH"
     if "int" in kind:
         return "N"
     if "float" in kind:
-        return "SECONDS" if f.name in ("shutdown_grace", "response_timeout") else "X"
+        return "SECONDS" if f.name in ("shutdown_grace", "response_timeout", "stall_limit") else "X"
     return "NAME" if f.name != "api_key" else "KEY"
 
 
