@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import math
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +25,9 @@ from ouro_fast.server.owner import (
     SUBMIT,
     EngineOwner,
     EngineSnapshot,
+    OwnerFault,
     parse_faults,
+    parse_owner_faults,
 )
 from ouro_fast.server.protocol import ApiError, ModelInfo
 from tests.server_helpers import parse_metrics, sample
@@ -107,6 +111,14 @@ def test_parse_faults():
     assert parse_faults("7@0, 8@3") == {7: 0, 8: 3}
     with pytest.raises(ValueError, match="SEED@TOKENS"):
         parse_faults("x@1")
+
+
+def test_parse_owner_faults():
+    assert parse_owner_faults("") == {}
+    assert parse_owner_faults("die@7, stall@8") == {7: "die", 8: "stall"}
+    for bad in ("kill@1", "die@x", "die"):
+        with pytest.raises(ValueError, match="die@SEED or stall@SEED"):
+            parse_owner_faults(bad)
 
 
 def test_completion_defaults_and_neutral_fields():
@@ -482,3 +494,75 @@ def test_the_character_bound_holds_for_the_shipped_tokenizer():
     bound = tok.max_token_chars()
     for text in ("hello world " * 50, "<|endoftext|>" * 20, "é漢字 " * 40, "a" * 999):
         assert len(tok.encode(text)) >= len(text) / bound  # so chars > tokens * bound means too many tokens
+
+
+def serve_in_thread(owner: EngineOwner) -> EngineOwner:
+    """Run the owner's thread on its FakeEngine (the build skipped)."""
+    owner.on_ready = lambda info, error: None
+    owner._build = lambda: "info"
+    owner.start()
+    return owner
+
+
+@pytest.mark.parametrize("where", ["drain", "step", "post"])
+def test_owner_death_anywhere_in_its_loop_is_reported(where):
+    """Whatever part of the loop raises, the thread ends and failure() says why."""
+    owner, posted = make_owner()
+    owner.owner_faults = {5: "die"} if where == "drain" else {}
+    owner.payloads[1] = ([4], SamplingParams(seed=5))
+    if where == "step":
+        owner.engine.step = lambda: None  # the step returns; tracking its outputs (outside its try) fails
+    if where == "post":
+        owner.post = lambda batch, snap: posted.append(batch) if not posted else 1 / 0  # after the ready one
+    serve_in_thread(owner)
+    owner.ring.push(SUBMIT, 1)
+    owner.wake()
+    assert owner.join(10)
+    reason = owner.failure(math.inf)
+    expected = {"drain": OwnerFault.__name__, "step": "TypeError", "post": "ZeroDivisionError"}[where]
+    assert reason.startswith("the engine owner thread died: " + expected), reason
+
+
+def test_owner_stall_is_seen_only_past_the_limit():
+    owner, _ = make_owner()
+    owner.owner_faults = {6: "stall"}
+    owner.payloads[1] = ([4], SamplingParams(seed=6))
+    serve_in_thread(owner)
+    owner.ring.push(SUBMIT, 1)
+    owner.wake()
+    deadline = time.monotonic() + 10
+    while owner.failure(0.3) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "made no progress" in owner.failure(0.3) and owner.failure(math.inf) is None
+    owner.stop()  # the held step then ends, and so does the thread: an asked-for end is no failure
+    assert owner.join(10) and owner.failure(0.3) is None
+
+
+def test_watchdog_fails_requests_when_the_owner_dies():
+    async def scenario():
+        stopped = asyncio.Event()
+        client = make_client(max_num_seqs=4)
+        client.on_failure = stopped.set
+        a, b = client.submit([1, 2], "p", None), client.submit([3], "p", None)
+        client._dispatch([output(a.request_id, [5])], EngineSnapshot())
+        client.owner.died = "OwnerFault: gone"
+        client._watch()
+        assert client.state == "failed" and not client.healthy
+        assert client.status() == "failed: the engine owner thread died: OwnerFault: gone"
+        for handle, prompt_tokens in ((a, 2), (b, 1)):
+            final = (await handle.next())[-1]
+            assert (final.finish_reason, final.prompt_tokens) == ("error", prompt_tokens)
+            assert "OwnerFault: gone" in final.error
+        with pytest.raises(ApiError) as e:
+            client.submit([1], "p", None)
+        assert e.value.status == 503
+        # Late outputs of the failed owner are dropped; the failure shows in /metrics.
+        client._dispatch([output(b.request_id, [9])], EngineSnapshot())
+        assert b.queue.empty() and client.metrics.engine.broken.startswith("the engine owner")
+        assert sample(client.metrics, "vllm:request_success_total", finished_reason="error") == 2
+        assert not stopped.is_set()
+        client.release(a)
+        client.release(b)
+        await asyncio.wait_for(stopped.wait(), 10)  # after the linger: the server stops
+
+    asyncio.run(scenario())

@@ -86,6 +86,10 @@ async def start_engine(app: Sanic) -> None:
     app.config.RESPONSE_TIMEOUT = config.response_timeout
     if config.test_faults:
         logger.warning("TEST-ONLY fault injection is on (OURO_FAST_TEST_FAULTS=%s)", config.test_faults)
+    if config.test_owner_faults:
+        logger.warning(
+            "TEST-ONLY owner faults are on (OURO_FAST_TEST_OWNER_FAULTS=%s)", config.test_owner_faults
+        )
     app.ctx.config = config
     app.ctx.client = EngineClient(config, asyncio.get_running_loop(), on_failure=lambda: app.stop())
     app.ctx.client.start(float(os.environ.get(_LAUNCH_ENV) or time.time()))

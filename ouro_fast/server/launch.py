@@ -62,7 +62,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT: 0 then, 1 if the model failed to load, 2 on a bad configuration."""
+    """Serve until SIGTERM/SIGINT: 0 then; 1 if the model failed to load or the engine owner thread died
+    or stalled (the server stops itself); 2 on a bad configuration."""
     for f in dataclasses.fields(ServerConfig):
         value = getattr(args, f.name, None)
         if value is not None:
