@@ -30,10 +30,11 @@ def test_bad_configuration_exits_2(tmp_path, capsys):
             (["--device", "gpu"], {}, "--device must be auto, cpu, cuda or cuda:N"),
             (["--stall-limit", "0"], {}, "--stall-limit must be > 0"),
             (["--api-key-file", str(tmp_path / "none")], {}, "--api-key-file: cannot read"),
+            (["--api-key-file", "f"], {"OURO_FAST_API_KEY": "k"}, "give one of OURO_FAST_API_KEY and --api"),
             (
-                ["--api-key-file", str(tmp_path)],
-                {"OURO_FAST_API_KEY": "k"},
-                "give one of OURO_FAST_API_KEY and",
+                ["--api-key", "k"],
+                {"OURO_FAST_API_KEY_FILE": "f"},
+                "one of --api-key and OURO_FAST_API_KEY_FILE,",
             ),
         ):
             os.environ.update(env)

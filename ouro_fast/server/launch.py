@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -89,5 +90,6 @@ def _name_flags(message: str, args: argparse.Namespace) -> str:
     """The message with each option given on the command line named by its flag, not its variable."""
     for f in dataclasses.fields(ServerConfig):
         if getattr(args, f.name, None) is not None:
-            message = message.replace(env_name(f.name), "--" + f.name.replace("_", "-"))
+            # Whole names only: OURO_FAST_API_KEY must not rename the start of OURO_FAST_API_KEY_FILE.
+            message = re.sub(rf"\b{env_name(f.name)}\b", "--" + f.name.replace("_", "-"), message)
     return message
