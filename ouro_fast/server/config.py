@@ -56,9 +56,7 @@ class ServerConfig:
     shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM before abort
     response_timeout: float = 3600.0  # Sanic's RESPONSE_TIMEOUT: silence allowed while queued
     log_level: str = "INFO"  # of the ouro_fast loggers
-    # An engine-owner iteration (drain, step, post) running longer than this with requests in flight
-    # counts as a stall: the server fails its requests and exits so that a supervisor restarts it.
-    stall_limit: float = 60.0
+    stall_limit: float = 60.0  # seconds an owner iteration may run with requests in flight (then: exit 1)
     # sys.setswitchinterval for the worker, in ms (None: Python's 5 ms): how long the event loop may keep
     # the GIL once the engine-owner thread wants it back (a CUDA wait returned, its next launch to queue).
     gil_switch_ms: float | None = None

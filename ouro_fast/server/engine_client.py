@@ -41,10 +41,9 @@ _REJECTION_REASONS = {400: "invalid", 429: "overload", 500: "error", 503: "unava
 _ABORT_RETRY_S = 0.002
 # How often the watchdog looks at the owner thread: a death is served 503s within this.
 WATCH_INTERVAL_S = 0.2
-# A failed server answers 503 this long (health checks see it) and until its handlers have sent their
-# errors (at most _FAIL_DRAIN_S), then stops.
+# A failed server keeps answering 503 this long, so health checks see it, before it stops.
 FAIL_LINGER_S = 1.0
-_FAIL_DRAIN_S = 3.0
+_FAIL_DRAIN_S = 3.0  # and waits at most this long, from the failure, for handlers to send their errors
 
 
 class RequestHandle:

@@ -156,10 +156,9 @@ class EngineOwner:
         self._broken: str | None = None
         self.owner_faults = owner_faults or {}
         self._stall_next_step = False
-        # The watchdog's view: when the running iteration started (None while asleep or building), and
-        # why the loop died; both written by this thread, read by the event loop.
-        self.busy_since: float | None = None
-        self.died: str | None = None
+        # Written by this thread, read by the event loop's watchdog.
+        self.busy_since: float | None = None  # when the running iteration started; None asleep or building
+        self.died: str | None = None  # what ended the loop
         self._serving = False
 
     # ---- called from the event loop thread ----------------------------------------
