@@ -45,7 +45,7 @@ FAULTS = {"schedule": (990001, 0), "execute": (990002, 3), "update": (990003, 2)
           "sample": (990004, 0), "detokenize": (990005, 3), "output": (990006, 2)}  # fmt: skip
 BATCH_STAGES = ("schedule", "execute", "update")
 WORDS = ("the", "of", "loop", "model", "token", "exit", "depth", "ouro", "serve", "ring", "engine", "step")
-SLOW_ID = "s" * 4000  # echoed in every chunk's id: a stalled reader's buffers fill in few tokens
+SLOW_ID = "s" * 128  # the longest x-request-id echoed: every chunk's id carries it
 OUTCOMES = ("completed", "rejected_429", "cancelled", "failed", "hung", "silent")
 
 
@@ -281,13 +281,17 @@ async def run_one(http: httpx.AsyncClient, port: int, plan: Plan, timeout: float
 
 
 def open_slow_client(port: int) -> socket.socket:
-    """A stream that is never read: a tiny receive buffer and a long id fill every buffer fast."""
-    body = {"model": MODEL, "prompt": "stall", "max_tokens": 1900, "ignore_eos": True, "max_loops": 1,
-            "stream": True}  # fmt: skip
+    """A chat stream that is never read: a tiny receive buffer, the longest id and 20 top logprobs
+    (with their bytes) per token fill every buffer fast."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "stall"}], "max_tokens": 1900,
+            "ignore_eos": True, "max_loops": 1, "stream": True, "logprobs": True,
+            "top_logprobs": 20}  # fmt: skip
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
-    sock.sendall(_raw_request(port, Plan("slow", body), f"x-request-id: {SLOW_ID}\r\n"))
+    sock.sendall(
+        _raw_request(port, Plan("slow", body, "/v1/chat/completions"), f"x-request-id: {SLOW_ID}\r\n")
+    )
     return sock
 
 

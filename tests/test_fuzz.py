@@ -352,6 +352,8 @@ def well_formed(draw, path: str, vocab: int) -> dict:
 
 # Printable ASCII without surrounding blanks: HTTP clients refuse to send those in a header.
 request_ids = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=50).map(str.strip)
+request_ids |= st.from_regex(r"[A-Za-z0-9._:-]{1,140}", fullmatch=True)
+VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @_settings(600)
@@ -365,8 +367,10 @@ def test_well_formed_extremes(fz, data, path, ascii_only, request_id):
         cap = body.get("max_completion_tokens", body.get("max_tokens"))
         assert 1 <= usage["completion_tokens"] <= cap
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-        if request_id:  # a printable-ASCII x-request-id becomes the response id
-            assert r.json()["id"].split("-", 1)[1] == request_id
+        # A valid x-request-id becomes the response id; any other is replaced by a generated one.
+        echoed = request_id if request_id and VALID_REQUEST_ID.fullmatch(request_id) else None
+        assert r.json()["id"].split("-", 1)[1] == (echoed or r.headers["x-request-id"])
+        assert echoed is None or r.headers["x-request-id"] == echoed
 
 
 # ---- sizes -----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Start and stop: /health before readiness, configuration and model-load failures, and SIGTERM with
-open streams on `sanic ouro_fast.server:app` in its default mode (a main process and one worker)."""
+"""Start and stop: /health before readiness, configuration and model-load failures, SIGTERM with
+open streams on `sanic ouro_fast.server:app` in its default mode (a main process and one worker), and
+the watchdog stopping the server (exit 1) when the engine-owner thread dies or stalls."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from ouro_fast import cli
 from tests.server_helpers import ServerProcess, bench_stream
@@ -26,6 +28,14 @@ def test_bad_configuration_exits_2(tmp_path, capsys):
             (["--shutdown-grace", "-1"], {}, "--shutdown-grace must be >= 0"),  # the flag given is named
             (["--dtype", "foo"], {}, "--dtype must be one of auto"),
             (["--device", "gpu"], {}, "--device must be auto, cpu, cuda or cuda:N"),
+            (["--stall-limit", "0"], {}, "--stall-limit must be > 0"),
+            (["--api-key-file", str(tmp_path / "none")], {}, "--api-key-file: cannot read"),
+            (["--api-key-file", "f"], {"OURO_FAST_API_KEY": "k"}, "give one of OURO_FAST_API_KEY and --api"),
+            (
+                ["--api-key", "k"],
+                {"OURO_FAST_API_KEY_FILE": "f"},
+                "one of --api-key and OURO_FAST_API_KEY_FILE,",
+            ),
         ):
             os.environ.update(env)
             assert cli.main(["serve", *args]) == 2
@@ -110,3 +120,60 @@ def test_make_checkpoint_does_not_import_the_server():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+DIE_SEED, STALL_SEED = 4242, 4343  # seeds the owner fault hook watches
+STALL_LIMIT_S = 1.0
+
+
+@pytest.mark.parametrize("fault", ["die", "stall"])
+def test_owner_death_or_stall_fails_requests_and_exits_1(fault):
+    """The owner's loop raises outside the engine step (die), or one step makes no progress past the
+    stall limit (stall): within a second /health and new requests answer 503, the stream in flight
+    gets an error event and a cut connection, the non-streamed request a 500, and the process exits 1."""
+    env = {
+        "OURO_FAST_TEST_OWNER_FAULTS": f"die@{DIE_SEED},stall@{STALL_SEED}",
+        "OURO_FAST_NUM_KV_BLOCKS": "1024",
+    }
+    srv = ServerProcess("cli", env, ("--stall-limit", str(STALL_LIMIT_S)))
+    try:
+        srv.wait_ready()
+        url = srv.url + "/v1/completions"
+        long = {"model": MODEL, "prompt": "long", "max_tokens": 2000, "ignore_eos": True}
+        results, streaming = {}, threading.Event()
+
+        def stream() -> None:
+            body = {**long, "stream": True}
+            results["stream"] = bench_stream(url, body, on_first_chunk=streaming.set)
+
+        def plain() -> None:
+            results["plain"] = httpx.post(url, json=long, timeout=60)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        assert streaming.wait(60)
+        seed = DIE_SEED if fault == "die" else STALL_SEED
+        fault_at = time.monotonic()
+        r = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 2, "seed": seed}, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
+        health = httpx.get(srv.url + "/health", timeout=10)
+        # The contract: within 1 s of the failure (the fault, or the stall limit after it); generous here.
+        assert time.monotonic() - fault_at < (STALL_LIMIT_S if fault == "stall" else 0) + 2.0
+        assert health.status_code == 503 and health.headers["Retry-After"] == "1"
+        assert health.json()["status"].startswith("failed: the engine owner"), health.text
+        late = httpx.post(url, json={"model": MODEL, "prompt": "late", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "not_ready", late.text
+        for t in threads:
+            t.join(60)
+        assert srv.proc.wait(60) == 1
+    finally:
+        srv.stop()
+    streamed, plain_answer = results["stream"], results["plain"]
+    assert not streamed.done and "error" in streamed.chunks[-1]  # an error event, then the cut
+    assert plain_answer.status_code == 500 and plain_answer.json()["error"]["code"] == "engine_error"
+    log = srv.log()
+    if fault == "die":
+        assert "the engine owner thread died: OwnerFault: injected owner fault" in log
+    else:
+        assert "the engine owner made no progress for" in log and "the engine owner thread has ended" in log

@@ -66,10 +66,11 @@ def test_api_key(server):
     assert completion(server).status_code == 200
 
 
-def open_stream(server, body: dict, extra_headers: str = "", rcvbuf: int | None = None) -> socket.socket:
+def open_stream(server, body: dict, extra_headers: str = "", rcvbuf: int | None = None,
+                path: str = "/v1/completions") -> socket.socket:  # fmt: skip
     """A streaming request sent on a raw socket that the caller reads (or not) as it likes."""
     data = json.dumps({"model": MODEL, "stream": True, **body}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\nAuthorization: Bearer {KEY}\r\n{extra_headers}\r\n")  # fmt: skip
     sock = socket.socket()
     if rcvbuf is not None:
@@ -109,9 +110,11 @@ def test_slow_client_is_aborted_without_slowing_others(server):
     """A client that never reads: once its unsent output exceeds --stream-buffer steps the request
     is aborted and the connection cut, while another request completes normally meanwhile."""
     before = server.metrics()["vllm:generation_tokens_total"]
-    # A long x-request-id (echoed in every chunk's id) fills the socket buffers in few tokens.
-    body = {"prompt": "flood", "max_tokens": 1900, "ignore_eos": True, "max_loops": 1}
-    with open_stream(server, body, f"x-request-id: {'r' * 4000}\r\n", rcvbuf=4096) as sock:
+    # 20 top logprobs with their bytes and the longest x-request-id in every chunk (1.7 KB) fill the
+    # socket buffers long before the 1900th token.
+    body = {"messages": [{"role": "user", "content": "flood"}], "max_tokens": 1900, "ignore_eos": True,
+            "max_loops": 1, "logprobs": True, "top_logprobs": 20}  # fmt: skip
+    with open_stream(server, body, f"x-request-id: {'r' * 128}\r\n", 4096, "/v1/chat/completions") as sock:
         r = completion(server, max_tokens=6, ignore_eos=True)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
         m = wait_for(

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import math
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +25,8 @@ from ouro_fast.server.owner import (
     SUBMIT,
     EngineOwner,
     EngineSnapshot,
+    OwnerFault,
+    parse_owner_faults,
 )
 from ouro_fast.server.protocol import ApiError, ModelInfo
 from tests.server_helpers import parse_metrics, sample
@@ -58,6 +62,36 @@ def test_config_from_env():
         ServerConfig.from_env({"OURO_FAST_GIL_SWITCH_MS": "0"})
 
 
+def test_api_key_file_and_redaction(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("\n  s3cret-from-file \n")
+    c = ServerConfig.from_env({"OURO_FAST_API_KEY_FILE": str(key_file)})
+    assert (c.api_key, c.api_key_file) == ("s3cret-from-file", str(key_file))
+    for shown in (repr(c), str(c), f"{c}", repr(ServerConfig(api_key="s3cret-from-file"))):
+        assert "s3cret" not in shown and "api_key='<redacted>'" in shown
+    assert "api_key=None" in repr(ServerConfig())
+    both = {"OURO_FAST_API_KEY": "k", "OURO_FAST_API_KEY_FILE": str(key_file)}
+    with pytest.raises(ConfigError, match="OURO_FAST_API_KEY and OURO_FAST_API_KEY_FILE"):
+        ServerConfig.from_env(both)
+    with pytest.raises(ConfigError, match="cannot read .*missing: No such file"):
+        ServerConfig.from_env({"OURO_FAST_API_KEY_FILE": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="cannot read .*Is a directory"):
+        ServerConfig.from_env({"OURO_FAST_API_KEY_FILE": str(tmp_path)})
+    key_file.write_text(" \n\t")
+    with pytest.raises(ConfigError, match="holds no key"):
+        ServerConfig.from_env({"OURO_FAST_API_KEY_FILE": str(key_file)})
+    key_file.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        ServerConfig.from_env({"OURO_FAST_API_KEY_FILE": str(key_file)})
+
+
+def test_metrics_label_is_a_served_name_never_a_path(tmp_path):
+    assert ServerConfig().metrics_model_name == "ouro-tiny-random"
+    assert ServerConfig(model=str(tmp_path / "ckpt") + "/").metrics_model_name == "ckpt"
+    assert ServerConfig(model="/", served_model_name=("a", "b")).metrics_model_name == "a"
+    assert ServerConfig(model="/").metrics_model_name == "ouro-tiny-random"
+
+
 def test_gil_switch_interval_applied_only_when_set():
     from ouro_fast.server.app import apply_gil_switch
 
@@ -69,6 +103,14 @@ def test_gil_switch_interval_applied_only_when_set():
         assert sys.getswitchinterval() == pytest.approx(0.0005)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_parse_owner_faults():
+    assert parse_owner_faults("") == {}
+    assert parse_owner_faults("die@7, stall@8") == {7: "die", 8: "stall"}
+    for bad in ("kill@1", "die@x", "die"):
+        with pytest.raises(ValueError, match="die@SEED or stall@SEED"):
+            parse_owner_faults(bad)
 
 
 def test_completion_defaults_and_neutral_fields():
@@ -196,11 +238,11 @@ def test_an_overlong_prompt_is_named_as_such():
 
 
 def test_request_id_echo():
-    assert protocol.request_id("bench-1", False) == "cmpl-bench-1"
-    assert protocol.request_id("x", True) == "chatcmpl-x"
-    for bad in (None, "", "a\nb", "é", "x" * 5000):
-        rid = protocol.request_id(bad, False)
-        assert rid.startswith("cmpl-") and len(rid) == 37
+    assert protocol.request_id("bench-1") == "bench-1" and protocol.request_id("a.B:9_-") == "a.B:9_-"
+    assert protocol.request_id("x" * 128) == "x" * 128
+    assert protocol.response_id("x", True) == "chatcmpl-x" and protocol.response_id("x", False) == "cmpl-x"
+    for bad in (None, "", "a\nb", "bench-1\n", "é", "a b", "a/b", "<x>", "x" * 129, "x" * 5000, "\udcff"):
+        assert len(protocol.request_id(bad)) == 32
 
 
 def test_sse_event_is_ascii_framed():
@@ -498,3 +540,75 @@ def test_the_character_bound_holds_for_the_shipped_tokenizer():
     bound = tok.max_token_chars()
     for text in ("hello world " * 50, "<|endoftext|>" * 20, "é漢字 " * 40, "a" * 999):
         assert len(tok.encode(text)) >= len(text) / bound  # so chars > tokens * bound means too many tokens
+
+
+def serve_in_thread(owner: EngineOwner) -> EngineOwner:
+    """Run the owner's thread on its FakeEngine (the build skipped)."""
+    owner.on_ready = lambda info, error: None
+    owner._build = lambda: "info"
+    owner.start()
+    return owner
+
+
+@pytest.mark.parametrize("where", ["drain", "step", "post"])
+def test_owner_death_anywhere_in_its_loop_is_reported(where):
+    """Whatever part of the loop raises, the thread ends and failure() says why."""
+    owner, posted = make_owner()
+    owner.owner_faults = {5: "die"} if where == "drain" else {}
+    owner.payloads[1] = ([4], SamplingParams(seed=5))
+    if where == "step":
+        owner.engine.step = lambda: None  # the step returns; tracking its outputs (outside its try) fails
+    if where == "post":
+        owner.post = lambda batch, snap: posted.append(batch) if not posted else 1 / 0  # after the ready one
+    serve_in_thread(owner)
+    owner.ring.push(SUBMIT, 1)
+    owner.wake()
+    assert owner.join(10)
+    reason = owner.failure(math.inf)
+    expected = {"drain": OwnerFault.__name__, "step": "TypeError", "post": "ZeroDivisionError"}[where]
+    assert reason.startswith("the engine owner thread died: " + expected), reason
+
+
+def test_owner_stall_is_seen_only_past_the_limit():
+    owner, _ = make_owner()
+    owner.owner_faults = {6: "stall"}
+    owner.payloads[1] = ([4], SamplingParams(seed=6))
+    serve_in_thread(owner)
+    owner.ring.push(SUBMIT, 1)
+    owner.wake()
+    deadline = time.monotonic() + 10
+    while owner.failure(0.3) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "made no progress" in owner.failure(0.3) and owner.failure(math.inf) is None
+    owner.stop()  # the held step then ends, and so does the thread: an asked-for end is no failure
+    assert owner.join(10) and owner.failure(0.3) is None
+
+
+def test_watchdog_fails_requests_when_the_owner_dies():
+    async def scenario():
+        stopped = asyncio.Event()
+        client = make_client(max_num_seqs=4)
+        client.on_failure = stopped.set
+        a, b = client.submit([1, 2], "p", None), client.submit([3], "p", None)
+        client._dispatch([output(a.request_id, [5])], EngineSnapshot())
+        client.owner.died = "OwnerFault: gone"
+        client._watch()
+        assert client.state == "failed" and not client.healthy
+        assert client.status() == "failed: the engine owner thread died: OwnerFault: gone"
+        for handle, prompt_tokens in ((a, 2), (b, 1)):
+            final = (await handle.next())[-1]
+            assert (final.finish_reason, final.prompt_tokens) == ("error", prompt_tokens)
+            assert "OwnerFault: gone" in final.error
+        with pytest.raises(ApiError) as e:
+            client.submit([1], "p", None)
+        assert e.value.status == 503
+        # Late outputs of the failed owner are dropped; the failure shows in /metrics.
+        client._dispatch([output(b.request_id, [9])], EngineSnapshot())
+        assert b.queue.empty() and client.metrics.engine.broken.startswith("the engine owner")
+        assert sample(client.metrics, "vllm:request_success_total", finished_reason="error") == 2
+        assert not stopped.is_set()
+        client.release(a)
+        client.release(b)
+        await asyncio.wait_for(stopped.wait(), 10)  # after the linger: the server stops
+
+    asyncio.run(scenario())

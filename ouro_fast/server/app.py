@@ -78,6 +78,7 @@ def apply_gil_switch(config: ServerConfig) -> None:
 async def start_engine(app: Sanic) -> None:
     config = ServerConfig.from_env()
     _setup_logging(config.log_level)
+    logger.info("configuration: %s", config)  # the API key redacted
     if app.state.workers > 1:
         raise RuntimeError("ouro_fast serves from one Sanic worker (one engine per process): drop --workers")
     apply_gil_switch(config)
@@ -85,6 +86,10 @@ async def start_engine(app: Sanic) -> None:
     app.config.RESPONSE_TIMEOUT = config.response_timeout
     if config.test_faults:
         logger.warning("TEST-ONLY fault injection is on (OURO_FAST_TEST_FAULTS=%s)", config.test_faults)
+    if config.test_owner_faults:
+        logger.warning(
+            "TEST-ONLY owner faults are on (OURO_FAST_TEST_OWNER_FAULTS=%s)", config.test_owner_faults
+        )
     app.ctx.config = config
     app.ctx.client = EngineClient(config, asyncio.get_running_loop(), on_failure=lambda: app.stop())
     app.ctx.client.start(float(os.environ.get(_LAUNCH_ENV) or time.time()))
@@ -98,15 +103,33 @@ async def stop_engine(app: Sanic) -> None:
 
 
 @app.on_request
+async def assign_request_id(request: Request) -> None:
+    request.ctx.request_id = protocol.request_id(request.headers.get("x-request-id"))
+
+
+@app.on_request
 async def check_api_key(request: Request) -> None:
     key = request.app.ctx.config.api_key
     if not key or not request.path.startswith(_PROTECTED_PREFIXES):
         return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+    if not _key_matches(request.headers.get("authorization", ""), key):
         raise ApiError(
             401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key"
         )
+
+
+def _key_matches(header: str, key: str) -> bool:
+    # Sanic keeps undecodable header bytes as surrogates: encoding them back gives the bytes received.
+    given = header.encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {key}".encode("utf-8", "surrogateescape"))
+
+
+@app.on_response
+async def echo_request_id(request: Request, response: HTTPResponse) -> None:
+    # Absent when Sanic refused the request before any middleware ran (a malformed request head).
+    request_id = getattr(request.ctx, "request_id", None)
+    if request_id is not None:
+        response.headers["x-request-id"] = request_id
 
 
 @app.exception(Exception)

@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 ENV_PREFIX = "OURO_FAST_"
 # The name the embedded default model (random weights) is served under.
@@ -48,17 +49,29 @@ class ServerConfig:
     compile_threads: int | None = None  # start-up kernel compiles in parallel (None: the CPUs, at most 16)
     chat_template: str | None = None  # a chat template file, or the template text; default: the checkpoint's
     api_key: str | None = None  # when set, /v1/*, /tokenize and /detokenize need "Bearer <key>"
+    api_key_file: str | None = None  # a file holding the API key (stripped): keeps it off argv and env
     max_body_bytes: int = 8 << 20
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
     ring_capacity: int = 4096
     shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM before abort
     response_timeout: float = 3600.0  # Sanic's RESPONSE_TIMEOUT: silence allowed while queued
     log_level: str = "INFO"  # of the ouro_fast loggers
+    stall_limit: float = 60.0  # seconds an owner iteration may run with requests in flight (then: exit 1)
     # sys.setswitchinterval for the worker, in ms (None: Python's 5 ms): how long the event loop may keep
     # the GIL once the engine-owner thread wants it back (a CUDA wait returned, its next launch to queue).
     gil_switch_ms: float | None = None
     # Test-only fault injection, "STAGE:SEED@TOKENS,...": see engine/faults.py.
     test_faults: str = field(default="", repr=False)
+    # Test-only owner faults, "die@SEED,stall@SEED": see owner.parse_owner_faults.
+    test_owner_faults: str = field(default="", repr=False)
+
+    def __repr__(self) -> str:
+        # The API key never reaches a log line or an error message.
+        shown = (f for f in dataclasses.fields(self) if f.repr)
+        parts = (f"{f.name}={_redacted(f.name, getattr(self, f.name))!r}" for f in shown)
+        return f"ServerConfig({', '.join(parts)})"
+
+    __str__ = __repr__
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -66,6 +79,14 @@ class ServerConfig:
         if self.served_model_name:
             return self.served_model_name
         return (self.model or DEFAULT_MODEL_NAME,)
+
+    @property
+    def metrics_model_name(self) -> str:
+        """The model_name label of /metrics: the first served name, else the checkpoint directory's name
+        (a scraper learns no filesystem path)."""
+        if self.served_model_name:
+            return self.served_model_name[0]
+        return (Path(self.model).resolve().name if self.model else None) or DEFAULT_MODEL_NAME
 
     @property
     def max_in_flight(self) -> int:
@@ -91,8 +112,12 @@ class ServerConfig:
             raw = environ.get(env_name(f.name), "").strip()
             if raw:
                 values[f.name] = _parse(f.name, f.type, raw)
+        if "api_key" in values and "api_key_file" in values:
+            raise ConfigError(f"give one of {env_name('api_key')} and {env_name('api_key_file')}, not both")
         config = cls(**values)
         config.check()
+        if config.api_key_file is not None:
+            config = dataclasses.replace(config, api_key=read_api_key(config.api_key_file))
         return config
 
     def check(self) -> None:
@@ -134,10 +159,30 @@ class ServerConfig:
         switch = self.gil_switch_ms
         if switch is not None and not 0.01 <= switch <= 1000:
             raise ConfigError(f"{env_name('gil_switch_ms')} must be in [0.01, 1000], got {switch}")
+        if self.stall_limit <= 0:
+            raise ConfigError(f"{env_name('stall_limit')} must be > 0, got {self.stall_limit}")
         if self.shutdown_grace < 0 or self.response_timeout <= 0:
             raise ConfigError(
                 f"{env_name('shutdown_grace')} must be >= 0 and {env_name('response_timeout')} > 0"
             )
+
+
+def read_api_key(path: str) -> str:
+    """The key in file `path`, surrounding whitespace stripped; ConfigError if unreadable or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"{env_name('api_key_file')}: cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{env_name('api_key_file')}: {path} is not UTF-8 text") from None
+    if not key:
+        raise ConfigError(f"{env_name('api_key_file')}: {path} holds no key")
+    return key
+
+
+def _redacted(name: str, value):
+    return "<redacted>" if name == "api_key" and value is not None else value
 
 
 def listen_address(environ: Mapping[str, str] | None = None) -> tuple[str, int]:
@@ -174,12 +219,15 @@ OPTION_HELP = {
     "compile_threads": "threads compiling kernels at start-up (default: the CPUs, at most 16)",
     "chat_template": "a chat template file, or the Jinja template itself (default: the checkpoint's)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize",
+    "api_key_file": "read the API key from this file (stripped); exclusive with --api-key",
     "max_body_bytes": "largest request body accepted (413 beyond)",
     "stream_buffer": "engine steps of output a client may leave unread before its request is aborted",
     "ring_capacity": "records in the submission ring (rounded up to a power of two)",
     "shutdown_grace": "seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted",
     "response_timeout": "seconds a queued request may wait with no byte sent (Sanic's RESPONSE_TIMEOUT)",
     "log_level": "level of the ouro_fast loggers: DEBUG, INFO, WARNING or ERROR",
+    "stall_limit": "seconds one engine-owner iteration may run with requests in flight before the "
+    "server fails them and exits 1",
     "gil_switch_ms": "the worker's sys.setswitchinterval in ms (default: Python's 5 ms)",
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")

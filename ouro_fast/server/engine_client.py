@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
 import time
 from collections import deque
 
 from ..core.ring import RequestRing
+from ..engine.outputs import StepOutput
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .owner import ABORT, ABORT_ALL, SUBMIT, EngineOwner, EngineSnapshot, ReadyInfo, Rejected
+from .owner import (
+    ABORT,
+    ABORT_ALL,
+    SUBMIT,
+    EngineOwner,
+    EngineSnapshot,
+    ReadyInfo,
+    Rejected,
+    parse_owner_faults,
+)
 from .protocol import ApiError, ModelInfo
 
 logger = logging.getLogger("ouro_fast.server")
@@ -26,14 +38,20 @@ logger = logging.getLogger("ouro_fast.server")
 _INLINE_TOKENIZE_CHARS = 16_384
 _REJECTION_REASONS = {400: "invalid", 429: "overload", 500: "error", 503: "unavailable"}
 _ABORT_RETRY_S = 0.002
+# How often the watchdog looks at the owner thread: a death is served 503s within this.
+WATCH_INTERVAL_S = 0.2
+# A failed server keeps answering 503 this long, so health checks see it, before it stops.
+FAIL_LINGER_S = 1.0
+_FAIL_DRAIN_S = 3.0  # and waits at most this long, from the failure, for handlers to send their errors
 
 
 class RequestHandle:
     """One admitted request, as its HTTP handler sees it."""
 
-    def __init__(self, key: int, buffer: int, transport):
+    def __init__(self, key: int, buffer: int, transport, prompt_tokens: int = 0):
         self.key = key
         self.request_id = str(key)
+        self.prompt_tokens = prompt_tokens
         self.queue: asyncio.Queue = asyncio.Queue(buffer)
         self.transport = transport
         self.arrival = time.monotonic()
@@ -61,7 +79,7 @@ class EngineClient:
         self.ring = RequestRing(config.ring_capacity)
         self.payloads: dict[int, tuple] = {}
         self.handles: dict[str, RequestHandle] = {}
-        self.metrics = ServerMetrics(config.model_names[0])
+        self.metrics = ServerMetrics(config.metrics_model_name)
         self.info: ModelInfo | None = None
         self.tokenizer = None
         self.state = "loading"  # loading -> ready -> stopping; or failed
@@ -70,6 +88,7 @@ class EngineClient:
         self._next_key = 1
         self._backlog: deque[tuple[int, int]] = deque()  # ABORT records that found the ring full
         self._retry: asyncio.TimerHandle | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
         self.owner = EngineOwner(
             config.engine_options(),
             self.ring,
@@ -77,11 +96,40 @@ class EngineClient:
             post=self._post_threadsafe,
             on_ready=self._ready_threadsafe,
             chat_template=config.chat_template,
+            owner_faults=parse_owner_faults(config.test_owner_faults),
         )
 
     def start(self, launch_epoch: float) -> None:
         self.launch_epoch = launch_epoch
         self.owner.start()
+        self._watchdog = self.loop.call_later(WATCH_INTERVAL_S, self._watch)
+
+    # ---- the watchdog ---------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Every WATCH_INTERVAL_S: fail the server once the owner died or stalled with requests in flight."""
+        if self.state == "failed":
+            return
+        reason = self.owner.failure(self.config.stall_limit if self.handles else math.inf)
+        if reason is None:
+            self._watchdog = self.loop.call_later(WATCH_INTERVAL_S, self._watch)
+            return
+        stop = self.state != "stopping"
+        self.state, self.error = "failed", reason
+        self.metrics.engine = dataclasses.replace(self.metrics.engine, broken=reason)
+        logger.error("%s: failing %d requests in flight and stopping the server", reason, len(self.handles))
+        failed = [h for h in self.handles.values() if not h.finished]
+        self._route([StepOutput(h.request_id, [], "", True, "error", h.prompt_tokens, 0, [], reason)
+                     for h in failed])  # fmt: skip
+        if stop and self.on_failure is not None:
+            asyncio.ensure_future(self._stop_when_answered())
+
+    async def _stop_when_answered(self) -> None:
+        start = self.loop.time()
+        await asyncio.sleep(FAIL_LINGER_S)
+        while any(not h.released for h in self.handles.values()) and self.loop.time() < start + _FAIL_DRAIN_S:
+            await asyncio.sleep(0.02)
+        self.on_failure()
 
     # ---- readiness ----------------------------------------------------------------
 
@@ -172,7 +220,7 @@ class EngineClient:
             raise ApiError(
                 429, "the request ring is full; retry later", code="server_overloaded", retry_after=1
             )
-        handle = RequestHandle(key, self.config.stream_buffer, transport)
+        handle = RequestHandle(key, self.config.stream_buffer, transport, len(prompt_ids))
         self.handles[handle.request_id] = handle
         self.metrics.in_flight = len(self.handles)
         self.owner.wake()
@@ -223,8 +271,14 @@ class EngineClient:
             self.loop.call_soon_threadsafe(self._dispatch, batch, snapshot)
 
     def _dispatch(self, batch: list, snapshot: EngineSnapshot) -> None:
-        """Route one step's outputs to their requests' queues (runs on the loop)."""
+        """Take in one owner iteration's outputs (runs on the loop); none once the watchdog failed it."""
+        if self.state == "failed":
+            return
         self.metrics.engine = snapshot
+        self._route(batch)
+
+    def _route(self, batch: list) -> None:
+        """Route outputs to their requests' queues."""
         now = time.monotonic()
         tokens = 0
         for out in batch:
@@ -287,9 +341,13 @@ class EngineClient:
             while any(not h.released for h in self.handles.values()) and self.loop.time() < deadline:
                 await asyncio.sleep(0.02)
         self.owner.stop()
+        if self.state == "failed":
+            join_timeout = min(join_timeout, 1.0)  # a dead or stalled owner will not end in time
         deadline = self.loop.time() + join_timeout
         while not self.owner.join(0) and self.loop.time() < deadline:
             await asyncio.sleep(0.02)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self.owner.join(0):
             logger.info("shutdown: the engine owner thread has ended")
         else:

@@ -32,7 +32,7 @@ async def serve(request, client: EngineClient, req: GenerateRequest) -> HTTPResp
             prompt = await client.encode(prompt)
         prompts.append(prompt)
     params = [protocol.sampling_params(req, len(ids), info) for ids in prompts]
-    rid = protocol.request_id(request.headers.get("x-request-id"), req.chat)
+    rid = protocol.response_id(request.ctx.request_id, req.chat)
     request.ctx.submitted = True  # from here on, a refusal is the engine's, counted by the client
     handles = _submit(client, request, prompts, params, req.n)
     try:

@@ -10,25 +10,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
 from .config import OPTION_HELP, ConfigError, ServerConfig, env_name, listen_address
 
-# Settings that are not command-line options: test_faults is test-only, set by environment.
-_NOT_OPTIONS = frozenset({"test_faults"})
+# Settings that are not command-line options: the test-only fault hooks, set by environment.
+_NOT_OPTIONS = frozenset({"test_faults", "test_owner_faults"})
 
 
 def _metavar(f: dataclasses.Field) -> str:
     kind = str(f.type)
     if "bool" in kind:
         return "BOOL"
-    if f.name in ("model", "chat_template"):
-        return "PATH" if f.name == "model" else "TEMPLATE"
+    if f.name in ("model", "chat_template", "api_key_file"):
+        return "TEMPLATE" if f.name == "chat_template" else "PATH"
     if "int" in kind:
         return "N"
     if "float" in kind:
-        return "SECONDS" if f.name in ("shutdown_grace", "response_timeout") else "X"
+        return "SECONDS" if f.name in ("shutdown_grace", "response_timeout", "stall_limit") else "X"
     return "NAME" if f.name != "api_key" else "KEY"
 
 
@@ -62,7 +63,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT: 0 then, 1 if the model failed to load, 2 on a bad configuration."""
+    """Serve until SIGTERM/SIGINT: 0 then; 1 if the model failed to load or the engine owner thread died
+    or stalled (the server stops itself); 2 on a bad configuration."""
     for f in dataclasses.fields(ServerConfig):
         value = getattr(args, f.name, None)
         if value is not None:
@@ -88,5 +90,6 @@ def _name_flags(message: str, args: argparse.Namespace) -> str:
     """The message with each option given on the command line named by its flag, not its variable."""
     for f in dataclasses.fields(ServerConfig):
         if getattr(args, f.name, None) is not None:
-            message = message.replace(env_name(f.name), "--" + f.name.replace("_", "-"))
+            # Whole names only: OURO_FAST_API_KEY must not rename the start of OURO_FAST_API_KEY_FILE.
+            message = re.sub(rf"\b{env_name(f.name)}\b", "--" + f.name.replace("_", "-"), message)
     return message

@@ -75,6 +75,29 @@ class EngineSnapshot:
     broken: str | None = None  # why the engine stopped serving, when it did
 
 
+def parse_owner_faults(spec: str) -> dict[int, str]:
+    """TEST-ONLY owner faults, OURO_FAST_TEST_OWNER_FAULTS="die@SEED,stall@SEED".
+
+    When the owner takes in a request whose sampling seed is SEED, "die" makes its loop raise
+    outside the engine step (the thread ends), and "stall" holds its next step until stop().
+    Never set it in production.
+    """
+    faults = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, _, seed = part.partition("@")
+        try:
+            if kind not in ("die", "stall"):
+                raise ValueError(kind)
+            faults[int(seed)] = kind
+        except ValueError:
+            raise ValueError(f"OURO_FAST_TEST_OWNER_FAULTS: {part!r} is not die@SEED or stall@SEED") from None
+    return faults
+
+
+class OwnerFault(RuntimeError):
+    """Raised outside the engine step by the test-only owner fault hook."""
+
+
 class EngineOwner:
     """Builds the Engine in its own thread, then serves the ring until stop().
 
@@ -90,6 +113,7 @@ class EngineOwner:
         post: Callable[[list, EngineSnapshot], None],
         on_ready: Callable[[ReadyInfo | None, str | None], None],
         chat_template: str | None = None,
+        owner_faults: dict[int, str] | None = None,
     ):
         self.engine_options = engine_options
         self.chat_template = chat_template  # the server's override, else the checkpoint's
@@ -106,6 +130,12 @@ class EngineOwner:
         self._steps = self._failures = self._rows_total = self._wakeups = 0
         self._failures_in_a_row = 0
         self._broken: str | None = None
+        self.owner_faults = owner_faults or {}
+        self._stall_next_step = False
+        # Written by this thread, read by the event loop's watchdog.
+        self.busy_since: float | None = None  # when the running iteration started; None asleep or building
+        self.died: str | None = None  # what ended the loop
+        self._serving = False
 
     # ---- called from the event loop thread ----------------------------------------
 
@@ -126,6 +156,19 @@ class EngineOwner:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def failure(self, stall_limit: float) -> str | None:
+        """Why the owner can serve no more, or None: its loop died, its thread ended unasked, or one
+        iteration has run longer than stall_limit seconds."""
+        if self.died is not None:
+            return f"the engine owner thread died: {self.died}"
+        if self._serving and not self._stopping and not self._thread.is_alive():
+            return "the engine owner thread ended"
+        since = self.busy_since
+        busy = 0.0 if since is None else time.monotonic() - since
+        if busy > stall_limit:
+            return f"the engine owner made no progress for {busy:.1f}s (limit {stall_limit:g}s)"
+        return None
+
     # ---- the owner thread ---------------------------------------------------------
 
     def _run(self) -> None:
@@ -135,15 +178,26 @@ class EngineOwner:
             logger.exception("the engine could not be prepared")
             self.on_ready(None, f"{type(e).__name__}: {e}")
             return
-        self.on_ready(info, None)
-        self._post([])
+        self._serving = True
+        try:
+            self.on_ready(info, None)
+            self._post([])
+            self._serve()
+        except BaseException as e:
+            # Whatever the loop was doing (drain, submit, step, post), the watchdog takes it from here.
+            self.died = f"{type(e).__name__}: {e}"
+            logger.exception("the engine owner thread died")
+
+    def _serve(self) -> None:
         while True:
+            self.busy_since = time.monotonic()
             self._wakeups += 1
             # Cleared before draining: a push after the drain sets it again, so the wait returns.
             self._wake.clear()
             batch = self._drain()
             if self._stopping:
                 self._finish(batch)
+                self.busy_since = None
                 return
             idle = self._broken is not None or not self.engine.has_unfinished_requests()
             if not idle:
@@ -151,6 +205,7 @@ class EngineOwner:
             if batch:
                 self._post(batch)
             elif idle and not len(self.ring):
+                self.busy_since = None
                 self._wake.wait()
 
     def _build(self) -> ReadyInfo:
@@ -208,11 +263,26 @@ class EngineOwner:
             logger.exception("add_request failed")
             return Rejected(rid, 500, f"the engine could not accept the request: {e}")
         self._live[rid] = len(prompt_ids)
+        self._owner_fault(params.seed)
         return None
+
+    def _owner_fault(self, seed: int | None) -> None:
+        kind = self.owner_faults.get(seed)
+        if kind == "die":
+            raise OwnerFault(f"injected owner fault for seed {seed} (OURO_FAST_TEST_OWNER_FAULTS)")
+        self._stall_next_step = self._stall_next_step or kind == "stall"
+
+    def _hold_until_stopped(self) -> None:
+        """The injected stall: a step that makes no progress until the server stops the owner."""
+        self._stall_next_step = False
+        while not self._stopping:
+            time.sleep(0.01)
 
     def _step(self) -> list:
         """One engine step. A failed step ended the requests it touched itself; one whose failure
         escaped the engine ends every request in flight."""
+        if self._stall_next_step:
+            self._hold_until_stopped()
         stats = self.engine.stats
         steps_before, failed_before = stats.steps, stats.failed_steps
         try:

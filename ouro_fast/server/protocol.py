@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -29,7 +30,8 @@ from .api_models import (
     unsupported,
 )
 
-_MAX_REQUEST_ID = 4096
+# A client's x-request-id is echoed only in this form: it lands in response ids, headers and logs.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 M = TypeVar("M", bound=ApiModel)
 logger = logging.getLogger("ouro_fast.server")
 
@@ -401,12 +403,16 @@ def sampling_params(req: GenerateRequest, prompt_len: int, info: ModelInfo):
     return params
 
 
-def request_id(header: str | None, chat: bool) -> str:
-    """The response id: the client's x-request-id when it is plain printable ASCII, else a fresh one."""
-    prefix = "chatcmpl-" if chat else "cmpl-"
-    if header and len(header) <= _MAX_REQUEST_ID and header.isascii() and header.isprintable():
-        return prefix + header
-    return prefix + uuid.uuid4().hex
+def request_id(header: str | None) -> str:
+    """The client's x-request-id when it is 1 to 128 characters of [A-Za-z0-9._:-], else a fresh id."""
+    if header is not None and _REQUEST_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
+def response_id(request_id: str, chat: bool) -> str:
+    """The `id` of a completion (cmpl-) or chat completion (chatcmpl-) response."""
+    return ("chatcmpl-" if chat else "cmpl-") + request_id
 
 
 def parse_tokenize(body: dict, info: ModelInfo, template: Callable[..., str]) -> str:
