@@ -36,6 +36,8 @@ class EngineConfig:
     run_ahead_full_depth: bool = True
     run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
     compile_threads: int | None = None  # start-up kernel compiles in parallel; None: the CPUs, at most 16
+    # Seconds a request may wait before its first step; then it ends "abort" with an error. None: forever.
+    queue_timeout: float | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

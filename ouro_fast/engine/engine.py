@@ -34,7 +34,7 @@ from .outputs import StepOutput, StepStats
 from .plan import StepPlan, StepResult, TokenEvents
 from .reference_runner import ReferenceRunner
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import WAITING, Scheduler
 
 logger = logging.getLogger("ouro_fast")
 
@@ -97,6 +97,8 @@ class Engine:
             StepOutput
         ] = []  # outputs not handed out yet: the next step() or abort_all() returns them
         self.ahead = self._build_run_ahead()
+        # Requests never scheduled yet, oldest first (admission is in arrival order): queue_timeout's watch.
+        self.unstarted: dict[str, float] = {}
         self.stats = StepStats(num_loops=self.num_loops)
         self.load_seconds = time.monotonic() - t0
         logger.info(
@@ -212,6 +214,8 @@ class Engine:
             raise
         self.requests[request_id] = req
         self.by_rid[rid] = req
+        if self.config.queue_timeout is not None:
+            self.unstarted[request_id] = req.arrival
         if self.ahead is not None and self.ahead.active:
             self.ahead.arrive(rid)  # the device runs ahead of the scheduler: it picks the launch
 
@@ -262,9 +266,23 @@ class Engine:
 
         Every output is queued in `pending` as soon as it exists, and handed out only when the step
         returns: if the step raises, nothing is lost, and abort_all() returns them with the others."""
+        self._expire_unstarted()
         self._advance()
         outputs, self.pending = self.pending, []
         return outputs
+
+    def _expire_unstarted(self) -> None:
+        """End the requests that waited queue_timeout seconds without being scheduled ("abort", with why)."""
+        timeout, now, status = self.config.queue_timeout, time.monotonic(), self.scheduler.core.status
+        while self.unstarted:
+            request_id, arrival = next(iter(self.unstarted.items()))
+            req = self.requests.get(request_id)
+            if req is not None and status(req.rid) == WAITING:
+                if now - arrival < timeout:
+                    return  # the rest arrived later
+                error = f"the request waited {timeout:g} s in the queue without being scheduled"
+                self.pending.append(self._finish(req, "abort", error))
+            del self.unstarted[request_id]  # expired, finished, or started (started ones never wait again)
 
     def _advance(self) -> None:
         ahead = self.ahead
