@@ -59,6 +59,18 @@ def test_config_from_env():
         ServerConfig.from_env({"OURO_FAST_GIL_SWITCH_MS": "0"})
 
 
+def test_connection_bounds_and_queue_timeout_settings():
+    env = {"OURO_FAST_MAX_CONNECTIONS": "10", "OURO_FAST_HEADER_TIMEOUT": "1.5",
+           "OURO_FAST_BODY_TIMEOUT": "2", "OURO_FAST_KEEP_ALIVE_TIMEOUT": "3",
+           "OURO_FAST_QUEUE_TIMEOUT": "4"}  # fmt: skip
+    c = ServerConfig.from_env(env)
+    assert (c.max_connections, c.header_timeout, c.body_timeout, c.keep_alive_timeout) == (10, 1.5, 2, 3)
+    assert c.engine_options()["queue_timeout"] == 4 and "header_timeout" not in c.engine_options()
+    for name in ("MAX_CONNECTIONS", "HEADER_TIMEOUT", "BODY_TIMEOUT", "KEEP_ALIVE_TIMEOUT", "QUEUE_TIMEOUT"):
+        with pytest.raises(ConfigError, match=f"OURO_FAST_{name}"):
+            ServerConfig.from_env({f"OURO_FAST_{name}": "0"})
+
+
 def test_gil_switch_interval_applied_only_when_set():
     from ouro_fast.server.app import apply_gil_switch
 

@@ -21,6 +21,7 @@ from sanic.response import HTTPResponse
 
 from . import generate, protocol
 from .config import ServerConfig
+from .connections import BoundedSanic, ConnectionLimits, raise_open_files_limit
 from .engine_client import EngineClient
 from .protocol import ApiError
 
@@ -46,7 +47,7 @@ def _process_start_epoch() -> float:
 # variable: "process start" then means the launch of the command, in either mode.
 os.environ.setdefault(_LAUNCH_ENV, repr(_process_start_epoch()))
 
-app = Sanic("ouro_fast")
+app = BoundedSanic("ouro_fast")
 app.config.ACCESS_LOG = False
 app.config.FALLBACK_ERROR_FORMAT = "json"
 
@@ -82,12 +83,24 @@ async def start_engine(app: Sanic) -> None:
         raise RuntimeError("ouro_fast serves from one Sanic worker (one engine per process): drop --workers")
     apply_gil_switch(config)
     app.config.REQUEST_MAX_SIZE = config.max_body_bytes
-    app.config.RESPONSE_TIMEOUT = config.response_timeout
+    bound_connections(app, config)
     if config.test_faults:
         logger.warning("TEST-ONLY fault injection is on (OURO_FAST_TEST_FAULTS=%s)", config.test_faults)
     app.ctx.config = config
     app.ctx.client = EngineClient(config, asyncio.get_running_loop(), on_failure=lambda: app.stop())
     app.ctx.client.start(float(os.environ.get(_LAUNCH_ENV) or time.time()))
+
+
+def bound_connections(app: Sanic, config: ServerConfig) -> None:
+    limits = ConnectionLimits(
+        config.max_connections, config.header_timeout, config.body_timeout, config.keep_alive_timeout
+    )
+    app.ctx.connection_limits = limits
+    files = raise_open_files_limit(limits)
+    if files < limits.max_connections:
+        logger.warning(
+            "the open-files limit (%d) is below --max-connections (%d)", files, limits.max_connections
+        )
 
 
 @app.before_server_stop
