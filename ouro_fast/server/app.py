@@ -139,10 +139,20 @@ async def on_error(request: Request, exc: Exception) -> HTTPResponse:
     return generate.json_response(err.body(), err.status, err.headers())
 
 
+async def _parse(request: Request, parse):
+    """parse(the JSON body): validation and chat templates of a large body run off the event loop."""
+
+    def work():
+        return parse(protocol.parse_json(request.body))
+
+    return await _client(request).off_loop(len(request.body), work)
+
+
 @app.post("/v1/completions")
 async def completions(request: Request):
     client = _client(request)
-    req = protocol.parse_completion(protocol.parse_json(request.body), client.require_ready())
+    info = client.require_ready()
+    req = await _parse(request, lambda body: protocol.parse_completion(body, info))
     return await generate.serve(request, client, req)
 
 
@@ -150,7 +160,8 @@ async def completions(request: Request):
 async def chat_completions(request: Request):
     client = _client(request)
     info = client.require_ready()
-    req = protocol.parse_chat(protocol.parse_json(request.body), info, client.tokenizer.apply_chat_template)
+    template = client.tokenizer.apply_chat_template
+    req = await _parse(request, lambda body: protocol.parse_chat(body, info, template))
     return await generate.serve(request, client, req)
 
 
@@ -163,9 +174,8 @@ async def models(request: Request) -> HTTPResponse:
 async def tokenize(request: Request) -> HTTPResponse:
     client = _client(request)
     info = client.require_ready()
-    text = protocol.parse_tokenize(
-        protocol.parse_json(request.body), info, client.tokenizer.apply_chat_template
-    )
+    template = client.tokenizer.apply_chat_template
+    text = await _parse(request, lambda body: protocol.parse_tokenize(body, info, template))
     ids = await client.encode(text)
     return generate.json_response({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids})
 
@@ -173,8 +183,9 @@ async def tokenize(request: Request) -> HTTPResponse:
 @app.post("/detokenize")
 async def detokenize(request: Request) -> HTTPResponse:
     client = _client(request)
-    ids = protocol.parse_detokenize(protocol.parse_json(request.body), client.require_ready())
-    return generate.json_response({"prompt": client.tokenizer.decode(ids, skip_special_tokens=False)})
+    info = client.require_ready()
+    ids = await _parse(request, lambda body: protocol.parse_detokenize(body, info))
+    return generate.json_response({"prompt": await client.decode(ids)})
 
 
 @app.get("/version")
