@@ -273,6 +273,8 @@ class Engine:
 
     def _expire_unstarted(self) -> None:
         """End the requests that waited queue_timeout seconds without being scheduled ("abort", with why)."""
+        if not self.unstarted:
+            return
         timeout, now, status = self.config.queue_timeout, time.monotonic(), self.scheduler.core.status
         while self.unstarted:
             request_id, arrival = next(iter(self.unstarted.items()))
