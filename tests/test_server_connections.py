@@ -1,6 +1,7 @@
 """Bounded connections and the queue timeout, on a server started with `sanic ouro_fast.server:app`
-(the launcher that cannot be handed a protocol): the connection cap, header, body and keep-alive
-deadlines that trickled bytes do not extend, and a queue timeout that ends waiting requests only."""
+(the launcher that cannot be handed a protocol): header, body and keep-alive deadlines that
+trickled bytes do not extend, and a queue timeout that ends waiting requests only; and the
+connection cap, on `ouro-fast serve`."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from tests.server_helpers import ServerProcess
 
 MODEL = "ouro-tiny-random"
 HEADER_S, BODY_S, IDLE_S, QUEUE_S = 3.0, 3.0, 2.0, 1.0
-MAX_CONNECTIONS = 700
 SLOW_CLIENTS = 600
+CAP = 8  # the capped server's --max-connections
 # Deadlines are the contract: a closure must come after its deadline and well before this much later.
 SLACK_S = 10.0
 ENV = {
@@ -29,13 +30,22 @@ ENV = {
     "OURO_FAST_HEADER_TIMEOUT": str(HEADER_S),
     "OURO_FAST_BODY_TIMEOUT": str(BODY_S),
     "OURO_FAST_KEEP_ALIVE_TIMEOUT": str(IDLE_S),
-    "OURO_FAST_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
 }
 
 
 @pytest.fixture(scope="module")
 def server():
     srv = ServerProcess("sanic", ENV)
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def capped_server():
+    """`ouro-fast serve` with a tiny connection cap and the default deadlines (none expires here)."""
+    srv = ServerProcess("cli", args=("--max-connections", str(CAP)))
     try:
         yield srv.wait_ready()
     finally:
@@ -154,12 +164,11 @@ def test_kept_alive_connections_are_reused_then_closed_when_idle(server):
         assert IDLE_S - 0.1 <= time.monotonic() - start < IDLE_S + SLACK_S
 
 
-def test_connections_beyond_the_cap_are_refused_at_once(server):
+def test_connections_beyond_the_cap_are_refused_at_once(capped_server):
+    server = capped_server
     before = closed_count(server, "limit")
-    held = []
+    held = [connect(server) for _ in range(CAP)]
     try:
-        for _ in range(MAX_CONNECTIONS):
-            held.append(connect(server))
         time.sleep(0.5)  # every one accepted: the next is over the cap
         with connect(server) as extra:
             extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -167,13 +176,16 @@ def test_connections_beyond_the_cap_are_refused_at_once(server):
         status, _, body = answer.partition(b"\r\n\r\n")
         assert status.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in status
         assert json.loads(body)["error"]["code"] == "too_many_connections"
+        held[0].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # the admitted ones are served
+        assert held[0].recv(65536).startswith(b"HTTP/1.1 200")
     finally:
         for sock in held:
             sock.close()
     for _ in range(100):  # the server sees the closes
-        r = httpx.get(server.url + "/health", timeout=30)
-        if r.status_code == 200:
-            break
+        with contextlib.suppress(httpx.TransportError):
+            r = httpx.get(server.url + "/health", timeout=30)
+            if r.status_code == 200:
+                break
         time.sleep(0.05)
     assert r.status_code == 200
     assert closed_count(server, "limit") >= before + 1
