@@ -6,6 +6,8 @@ last-exited propagation matters for later tokens. Every engine here is the CPU o
 torch runner), also on a GPU machine: the GPU engine has its own tests (test_gpu_runner.py).
 """
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -151,6 +153,28 @@ def test_abort_of_waiting_request(model_dir):
             if o.finished:
                 finished[o.request_id] = o.finish_reason
     assert finished == {"a": "length", "b": "abort"}
+
+
+def test_queue_timeout_ends_only_requests_never_scheduled(model_dir):
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=1, queue_timeout=0.05))
+    engine.add_request("a", PROMPTS[0], greedy(1.0, 8))
+    engine.add_request("b", PROMPTS[1], greedy(1.0, 4))
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1
+    time.sleep(0.1)  # both are older than the timeout now: only the waiting one ends
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = (o.finish_reason, o.completion_tokens, o.error)
+    waited = "the request waited 0.05 s in the queue without being scheduled"
+    assert finished == {"a": ("length", 8, None), "b": ("abort", 0, waited)}
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks and not engine.unstarted
+    engine.add_request("c", PROMPTS[2], greedy(1.0, 2))  # served normally afterwards
+    reasons = []
+    while engine.has_unfinished_requests():
+        reasons += [o.finish_reason for o in engine.step() if o.finished]
+    assert reasons == ["length"]
 
 
 def test_seeded_sampling_is_reproducible_across_batches(model_dir):

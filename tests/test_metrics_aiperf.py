@@ -170,7 +170,7 @@ FAMILIES = {
                      "ouro_fast:preemptions", "ouro_fast:run_ahead_steps", "ouro_fast:run_ahead_runs",
                      "ouro_fast:run_ahead_riders", "ouro_fast:run_ahead_exit_steps",
                      "ouro_fast:owner_wakeups", "ouro_fast:output_batches", "ouro_fast:loop_rows",
-                     "ouro_fast:loop_exits"), "counter"),
+                     "ouro_fast:loop_exits", "ouro_fast:connections_closed"), "counter"),
     **dict.fromkeys(("vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds",
                      "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
                      "vllm:request_generation_tokens", "ouro_fast:token_exit_depth", "ouro_fast:step_rows"),

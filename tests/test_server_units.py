@@ -4,9 +4,12 @@ and the event-loop side of the ring (admission, routing, slow-client drop, abort
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
+import json
 import math
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -90,6 +93,18 @@ def test_metrics_label_is_a_served_name_never_a_path(tmp_path):
     assert ServerConfig(model=str(tmp_path / "ckpt") + "/").metrics_model_name == "ckpt"
     assert ServerConfig(model="/", served_model_name=("a", "b")).metrics_model_name == "a"
     assert ServerConfig(model="/").metrics_model_name == "ouro-tiny-random"
+
+
+def test_connection_bounds_and_queue_timeout_settings():
+    env = {"OURO_FAST_MAX_CONNECTIONS": "10", "OURO_FAST_HEADER_TIMEOUT": "1.5",
+           "OURO_FAST_BODY_TIMEOUT": "2", "OURO_FAST_KEEP_ALIVE_TIMEOUT": "3",
+           "OURO_FAST_QUEUE_TIMEOUT": "4"}  # fmt: skip
+    c = ServerConfig.from_env(env)
+    assert (c.max_connections, c.header_timeout, c.body_timeout, c.keep_alive_timeout) == (10, 1.5, 2, 3)
+    assert c.engine_options()["queue_timeout"] == 4 and "header_timeout" not in c.engine_options()
+    for name in ("MAX_CONNECTIONS", "HEADER_TIMEOUT", "BODY_TIMEOUT", "KEEP_ALIVE_TIMEOUT", "QUEUE_TIMEOUT"):
+        with pytest.raises(ConfigError, match=f"OURO_FAST_{name}"):
+            ServerConfig.from_env({f"OURO_FAST_{name}": "0"})
 
 
 def test_gil_switch_interval_applied_only_when_set():
@@ -612,3 +627,83 @@ def test_watchdog_fails_requests_when_the_owner_dies():
         await asyncio.wait_for(stopped.wait(), 10)  # after the linger: the server stops
 
     asyncio.run(scenario())
+
+
+def test_large_inputs_are_rendered_tokenized_and_decoded_off_the_event_loop():
+    """Above the inline bound, the chat template, tokenizing and /detokenize's decoding run on the
+    large-input thread; below it they stay on the loop (a thread hop costs more than they do)."""
+    app_mod = importlib.import_module("ouro_fast.server.app")
+    info = dataclasses.replace(INFO, max_prompt_chars=10**6)
+    where: list[tuple[str, bool]] = []  # (what, ran on the event loop's thread)
+
+    def ran(what: str) -> None:
+        where.append((what, threading.current_thread() is threading.main_thread()))
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, *args, **kwargs):
+            ran("render")
+            return messages[-1]["content"]
+
+        def encode(self, text):
+            ran("encode")
+            return [1] * (INFO.max_request_tokens + 1)  # too many for a request: refused after tokenizing
+
+        def decode(self, ids, skip_special_tokens=True):
+            ran("decode")
+            return "x" * len(ids)
+
+    async def scenario():
+        client = make_client()
+        client.state, client.info, client.tokenizer = "ready", info, Tokenizer()
+        ctx = SimpleNamespace(client=client)
+
+        def request(body: dict):
+            return SimpleNamespace(body=json.dumps(body).encode(), app=SimpleNamespace(ctx=ctx), ctx=ctx)
+
+        for text in ("y" * 20_000, "y" * 200):
+            chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+            with pytest.raises(ApiError, match="tokens"):  # refused by its token count, once rendered
+                await app_mod.chat_completions(request(chat))
+            await app_mod.tokenize(request({"messages": [{"role": "user", "content": text}]}))
+        for count in (20_000, 20):
+            await app_mod.detokenize(request({"tokens": [1] * count}))
+
+    asyncio.run(scenario())
+    off, on = (False, False, False, False), (True, True, True, True)
+    assert [w for _, w in where[:4]] == list(off) and [w for _, w in where[4:8]] == list(on)
+    assert [w for _, w in where[8:]] == [False, True]
+    assert [what for what, _ in where] == ["render", "encode"] * 4 + ["decode"] * 2
+
+
+def test_tokenize_refuses_text_no_request_could_hold_before_tokenizing():
+    info = dataclasses.replace(INFO, max_prompt_chars=100)
+    render = lambda *a, **k: pytest.fail("rendered")  # noqa: E731
+    with pytest.raises(ApiError) as e:
+        protocol.parse_tokenize({"prompt": "y" * 101}, info, render)
+    assert e.value.status == 400 and e.value.param == "prompt" and "101 characters" in e.value.message
+    with pytest.raises(ApiError) as e:
+        protocol.parse_tokenize({"messages": [{"role": "user", "content": "y" * 101}]}, info, render)
+    assert e.value.param == "messages"
+    assert protocol.parse_tokenize({"prompt": "y" * 100}, info, render) == "y" * 100
+
+
+def test_long_texts_go_through_the_tokenizer_entry_points_that_release_the_gil():
+    from ouro_fast.model.tokenizer import OuroTokenizer
+
+    tok = OuroTokenizer.default()
+    text = "the loop model " * 1000
+    expected = tok.raw.encode(text, add_special_tokens=False).ids
+    calls = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(raw, name)
+
+    raw, tok.raw = tok.raw, Recorder()
+    assert tok.encode(text) == expected and tok.encode("short") == raw.encode("short").ids
+    assert (
+        tok.decode(expected, skip_special_tokens=False) == text
+        and tok.decode(expected[:3]) == "the loop model"
+    )
+    assert calls == ["encode_batch", "encode", "decode_batch", "decode"]

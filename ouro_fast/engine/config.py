@@ -38,6 +38,8 @@ class EngineConfig:
     compile_threads: int | None = None  # start-up kernel compiles in parallel; None: the CPUs, at most 16
     # TEST-ONLY: "STAGE:SEED@TOKENS,..." makes a step stage raise for chosen requests (engine/faults.py).
     test_faults: str = ""
+    # Seconds a request may wait before its first step; then it ends "abort" with an error. None: forever.
+    queue_timeout: float | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -40,7 +40,7 @@ from .outputs import StepOutput, StepStats
 from .plan import StepPlan, StepResult, TokenEvents
 from .reference_runner import ReferenceRunner
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import WAITING, Scheduler
 from .structured import Grammars
 
 logger = logging.getLogger("ouro_fast")
@@ -105,6 +105,8 @@ class Engine:
             StepOutput
         ] = []  # outputs not handed out yet: the next step() or abort_all() returns them
         self.ahead = self._build_run_ahead()
+        # Requests never scheduled yet, oldest first (admission is in arrival order): queue_timeout's watch.
+        self.unstarted: dict[str, float] = {}
         self.stats = StepStats(num_loops=self.num_loops)
         self.load_seconds = time.monotonic() - t0
         logger.info(
@@ -232,6 +234,8 @@ class Engine:
             raise
         self.requests[request_id] = req
         self.by_rid[rid] = req
+        if self.config.queue_timeout is not None:
+            self.unstarted[request_id] = req.arrival
         if self.ahead is not None and self.ahead.active:
             self.ahead.arrive(rid)  # the device runs ahead of the scheduler: it picks the launch
 
@@ -295,6 +299,7 @@ class Engine:
         `pending` as soon as it exists, and handed out only when the step returns: should even the
         failure handling raise, nothing is lost, and abort_all() returns them with the others."""
         try:
+            self._expire_unstarted()
             self._advance()
         except Exception as e:
             self._fail_batch(e)
@@ -320,6 +325,21 @@ class Engine:
         """Test-only: the fault injector's turn at a batch stage, over the step's requests."""
         if stage in self.faults.stages:
             self.faults.fire(stage, [self.by_rid[r] for r in rids.tolist() if r in self.by_rid])
+
+    def _expire_unstarted(self) -> None:
+        """End the requests that waited queue_timeout seconds without being scheduled ("abort", with why)."""
+        if not self.unstarted or (self.ahead is not None and self.ahead.active):
+            return  # run-ahead seats its arrivals itself: they are never left waiting for long
+        timeout, now, status = self.config.queue_timeout, time.monotonic(), self.scheduler.core.status
+        while self.unstarted:
+            request_id, arrival = next(iter(self.unstarted.items()))
+            req = self.requests.get(request_id)
+            if req is not None and status(req.rid) == WAITING:
+                if now - arrival < timeout:
+                    return  # the rest arrived later
+                error = f"the request waited {timeout:g} s in the queue without being scheduled"
+                self.pending.append(self._finish(req, "abort", error))
+            del self.unstarted[request_id]  # expired, finished, or started (started ones never wait again)
 
     def _advance(self) -> None:
         ahead = self.ahead

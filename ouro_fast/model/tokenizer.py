@@ -18,6 +18,9 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+# Longer inputs (characters, or ids) go through the batch entry points, which release the GIL while they
+# run: a long text tokenized in a worker thread then leaves the event loop free.
+_RELEASE_GIL_ABOVE = 1024
 
 
 class OuroTokenizer:
@@ -83,10 +86,14 @@ class OuroTokenizer:
         except UnicodeEncodeError:
             # JSON can carry a lone surrogate ("\ud800"): no UTF-8 text holds one.
             raise ValueError("the text is not valid Unicode (it holds a lone surrogate)") from None
+        if len(text) > _RELEASE_GIL_ABOVE:
+            return self.raw.encode_batch([text], add_special_tokens=False)[0].ids
         return self.raw.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ids; an incomplete UTF-8 sequence decodes to U+FFFD."""
+        if len(ids) > _RELEASE_GIL_ABOVE:
+            return self.raw.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:

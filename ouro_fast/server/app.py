@@ -21,6 +21,7 @@ from sanic.response import HTTPResponse
 
 from . import generate, protocol
 from .config import ServerConfig
+from .connections import BoundedSanic, ConnectionLimits, raise_open_files_limit
 from .engine_client import EngineClient
 from .protocol import ApiError
 
@@ -46,7 +47,7 @@ def _process_start_epoch() -> float:
 # variable: "process start" then means the launch of the command, in either mode.
 os.environ.setdefault(_LAUNCH_ENV, repr(_process_start_epoch()))
 
-app = Sanic("ouro_fast")
+app = BoundedSanic("ouro_fast")
 app.config.ACCESS_LOG = False
 app.config.FALLBACK_ERROR_FORMAT = "json"
 
@@ -83,7 +84,7 @@ async def start_engine(app: Sanic) -> None:
         raise RuntimeError("ouro_fast serves from one Sanic worker (one engine per process): drop --workers")
     apply_gil_switch(config)
     app.config.REQUEST_MAX_SIZE = config.max_body_bytes
-    app.config.RESPONSE_TIMEOUT = config.response_timeout
+    bound_connections(app, config)
     if config.test_faults:
         logger.warning("TEST-ONLY fault injection is on (OURO_FAST_TEST_FAULTS=%s)", config.test_faults)
     if config.test_owner_faults:
@@ -93,6 +94,18 @@ async def start_engine(app: Sanic) -> None:
     app.ctx.config = config
     app.ctx.client = EngineClient(config, asyncio.get_running_loop(), on_failure=lambda: app.stop())
     app.ctx.client.start(float(os.environ.get(_LAUNCH_ENV) or time.time()))
+
+
+def bound_connections(app: Sanic, config: ServerConfig) -> None:
+    limits = ConnectionLimits(
+        config.max_connections, config.header_timeout, config.body_timeout, config.keep_alive_timeout
+    )
+    app.ctx.connection_limits = limits
+    files = raise_open_files_limit(limits)
+    if files < limits.max_connections:
+        logger.warning(
+            "the open-files limit (%d) is below --max-connections (%d)", files, limits.max_connections
+        )
 
 
 @app.before_server_stop
@@ -149,10 +162,20 @@ async def on_error(request: Request, exc: Exception) -> HTTPResponse:
     return generate.json_response(err.body(), err.status, err.headers())
 
 
+async def _parse(request: Request, parse):
+    """parse(the JSON body): validation and chat templates of a large body run off the event loop."""
+
+    def work():
+        return parse(protocol.parse_json(request.body))
+
+    return await _client(request).off_loop(len(request.body), work)
+
+
 @app.post("/v1/completions")
 async def completions(request: Request):
     client = _client(request)
-    req = protocol.parse_completion(protocol.parse_json(request.body), client.require_ready())
+    info = client.require_ready()
+    req = await _parse(request, lambda body: protocol.parse_completion(body, info))
     return await generate.serve(request, client, req)
 
 
@@ -160,7 +183,8 @@ async def completions(request: Request):
 async def chat_completions(request: Request):
     client = _client(request)
     info = client.require_ready()
-    req = protocol.parse_chat(protocol.parse_json(request.body), info, client.tokenizer.apply_chat_template)
+    template = client.tokenizer.apply_chat_template
+    req = await _parse(request, lambda body: protocol.parse_chat(body, info, template))
     return await generate.serve(request, client, req)
 
 
@@ -173,9 +197,8 @@ async def models(request: Request) -> HTTPResponse:
 async def tokenize(request: Request) -> HTTPResponse:
     client = _client(request)
     info = client.require_ready()
-    text = protocol.parse_tokenize(
-        protocol.parse_json(request.body), info, client.tokenizer.apply_chat_template
-    )
+    template = client.tokenizer.apply_chat_template
+    text = await _parse(request, lambda body: protocol.parse_tokenize(body, info, template))
     ids = await client.encode(text)
     return generate.json_response({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids})
 
@@ -183,8 +206,9 @@ async def tokenize(request: Request) -> HTTPResponse:
 @app.post("/detokenize")
 async def detokenize(request: Request) -> HTTPResponse:
     client = _client(request)
-    ids = protocol.parse_detokenize(protocol.parse_json(request.body), client.require_ready())
-    return generate.json_response({"prompt": client.tokenizer.decode(ids, skip_special_tokens=False)})
+    info = client.require_ready()
+    ids = await _parse(request, lambda body: protocol.parse_detokenize(body, info))
+    return generate.json_response({"prompt": await client.decode(ids)})
 
 
 @app.get("/version")

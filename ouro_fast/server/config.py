@@ -54,7 +54,12 @@ class ServerConfig:
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
     ring_capacity: int = 4096
     shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM before abort
-    response_timeout: float = 3600.0  # Sanic's RESPONSE_TIMEOUT: silence allowed while queued
+    queue_timeout: float = 3600.0  # seconds a request may wait unscheduled; then 503 (running ones: never)
+    # Connection bounds (server/connections.py); defaults between uvicorn's, Sanic's and nginx's.
+    max_connections: int = 2048  # open connections; more are answered 503 and closed at once
+    header_timeout: float = 20.0  # request line + headers, from the connection's or request's start
+    body_timeout: float = 60.0  # the whole body, from the end of the headers
+    keep_alive_timeout: float = 30.0  # an idle kept-alive connection, between requests
     log_level: str = "INFO"  # of the ouro_fast loggers
     stall_limit: float = 60.0  # seconds an owner iteration may run with requests in flight (then: exit 1)
     # sys.setswitchinterval for the worker, in ms (None: Python's 5 ms): how long the event loop may keep
@@ -99,7 +104,7 @@ class ServerConfig:
             "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
             "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
             "cuda_graphs", "refill", "run_ahead", "run_ahead_full_depth",
-            "run_ahead_depth", "compile_threads", "cpu_threads", "test_faults",
+            "run_ahead_depth", "compile_threads", "cpu_threads", "test_faults", "queue_timeout",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
@@ -161,9 +166,12 @@ class ServerConfig:
             raise ConfigError(f"{env_name('gil_switch_ms')} must be in [0.01, 1000], got {switch}")
         if self.stall_limit <= 0:
             raise ConfigError(f"{env_name('stall_limit')} must be > 0, got {self.stall_limit}")
-        if self.shutdown_grace < 0 or self.response_timeout <= 0:
+        for name in ("max_connections", "header_timeout", "body_timeout", "keep_alive_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{env_name(name)} must be > 0, got {getattr(self, name)}")
+        if self.shutdown_grace < 0 or self.queue_timeout <= 0:
             raise ConfigError(
-                f"{env_name('shutdown_grace')} must be >= 0 and {env_name('response_timeout')} > 0"
+                f"{env_name('shutdown_grace')} must be >= 0 and {env_name('queue_timeout')} > 0"
             )
 
 
@@ -224,7 +232,12 @@ OPTION_HELP = {
     "stream_buffer": "engine steps of output a client may leave unread before its request is aborted",
     "ring_capacity": "records in the submission ring (rounded up to a power of two)",
     "shutdown_grace": "seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted",
-    "response_timeout": "seconds a queued request may wait with no byte sent (Sanic's RESPONSE_TIMEOUT)",
+    "queue_timeout": "seconds a request may wait before the engine schedules it (then 503); "
+    "a running request is never cut",
+    "max_connections": "open connections at most; more are answered 503 and closed at once",
+    "header_timeout": "seconds for a request line and headers, from the connection's (or request's) start",
+    "body_timeout": "seconds for a whole request body, from the end of its headers",
+    "keep_alive_timeout": "seconds a kept-alive connection may idle between requests",
     "log_level": "level of the ouro_fast loggers: DEBUG, INFO, WARNING or ERROR",
     "stall_limit": "seconds one engine-owner iteration may run with requests in flight before the "
     "server fails them and exits 1",

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from ..core.ring import RequestRing
 from ..engine.outputs import StepOutput
@@ -34,8 +35,9 @@ from .protocol import ApiError, ModelInfo
 
 logger = logging.getLogger("ouro_fast.server")
 
-# Prompts longer than this (characters) are tokenized off the event loop.
-_INLINE_TOKENIZE_CHARS = 16_384
+# Inputs larger than this (characters, bytes or token ids) are parsed, rendered, tokenized and decoded
+# off the event loop.
+_INLINE_SIZE = 16_384
 _REJECTION_REASONS = {400: "invalid", 429: "overload", 500: "error", 503: "unavailable"}
 _ABORT_RETRY_S = 0.002
 # How often the watchdog looks at the owner thread: a death is served 503s within this.
@@ -89,6 +91,9 @@ class EngineClient:
         self._backlog: deque[tuple[int, int]] = deque()  # ABORT records that found the ring full
         self._retry: asyncio.TimerHandle | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        # One thread for large inputs: JSON parsing holds the GIL, and two parses at once would hold it
+        # back to back while the loop waits.
+        self.heavy = ThreadPoolExecutor(1, thread_name_prefix="ouro-heavy-input")
         self.owner = EngineOwner(
             config.engine_options(),
             self.ring,
@@ -188,14 +193,22 @@ class EngineClient:
         """One token's text, special tokens spelled out (the `token` of an OpenAI logprob)."""
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
+    async def off_loop(self, size: int, work):
+        """work(), inline when `size` is small, else on the large-input thread (the loop serves meanwhile)."""
+        if size <= _INLINE_SIZE:
+            return work()
+        return await self.loop.run_in_executor(self.heavy, work)
+
     async def encode(self, text: str) -> list[int]:
         """Token ids of a request's text; ApiError 400 for text that is not valid Unicode."""
         try:
-            if len(text) <= _INLINE_TOKENIZE_CHARS:
-                return self.tokenizer.encode(text)
-            return await self.loop.run_in_executor(None, self.tokenizer.encode, text)
+            return await self.off_loop(len(text), lambda: self.tokenizer.encode(text))
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of token ids, special tokens spelled out (/detokenize)."""
+        return await self.off_loop(len(ids), lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def require_room(self, count: int) -> None:
         """429 unless `count` more requests fit the in-flight bound: a request's choices enter together."""
@@ -343,6 +356,7 @@ class EngineClient:
         self.owner.stop()
         if self.state == "failed":
             join_timeout = min(join_timeout, 1.0)  # a dead or stalled owner will not end in time
+        self.heavy.shutdown(wait=False, cancel_futures=True)
         deadline = self.loop.time() + join_timeout
         while not self.owner.join(0) and self.loop.time() < deadline:
             await asyncio.sleep(0.02)

@@ -29,7 +29,8 @@ def _metavar(f: dataclasses.Field) -> str:
     if "int" in kind:
         return "N"
     if "float" in kind:
-        return "SECONDS" if f.name in ("shutdown_grace", "response_timeout", "stall_limit") else "X"
+        seconds = f.name in ("shutdown_grace", "stall_limit") or f.name.endswith("_timeout")
+        return "SECONDS" if seconds else "X"
     return "NAME" if f.name != "api_key" else "KEY"
 
 

@@ -30,6 +30,7 @@ TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = ("invalid", "overload", "error", "unavailable")
 ABORT_REASONS = ("disconnect", "slow_client", "shutdown")
+CONNECTION_CLOSE_REASONS = ("limit", "header_timeout", "body_timeout", "idle")
 _EXITS_HELP = "Generated tokens that exited after loop `loop` (0-based), i.e. ran loop+1 loops."
 
 
@@ -77,6 +78,12 @@ class ServerMetrics:
         self._aborted = self._by_reason(
             "ouro_fast:requests_aborted_total", "Requests the server aborted.", "reason", ABORT_REASONS
         )
+        self._connections_closed = self._by_reason(
+            "ouro_fast:connections_closed_total",
+            "Connections the server refused (limit) or closed at a deadline.",
+            "reason",
+            CONNECTION_CLOSE_REASONS,
+        )
         self.ttft = self._histogram(
             "vllm:time_to_first_token_seconds", "Time from arrival to the first token.", LATENCY_BUCKETS
         )
@@ -123,6 +130,9 @@ class ServerMetrics:
 
     def aborted(self, reason: str, requests: int = 1) -> None:
         self._aborted.inc(reason, requests)
+
+    def connection_closed(self, reason: str) -> None:
+        self._connections_closed.inc(reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -421,11 +421,14 @@ def parse_tokenize(body: dict, info: ModelInfo, template: Callable[..., str]) ->
     _model(req.model, info)
     if (req.prompt is None) == (req.messages is None):
         raise bad("prompt", "give exactly one of prompt and messages")
+    # Text no request could hold is refused from its length, before it costs a render or tokenizing.
     if req.messages is not None:
+        _check_chat_size(req.messages, info)
         try:
             return template(req.messages, req.add_generation_prompt is not False)
         except ValueError as e:
             raise bad("messages", str(e)) from None
+    check_prompt_chars(len(req.prompt), info, "prompt")
     return req.prompt
 
 
