@@ -57,24 +57,15 @@ def samples(out: Path, task: str) -> list[dict]:
     return [json.loads(line) for line in files[-1].read_text().splitlines() if line.strip()]
 
 
-def offline_loglikelihoods(model_dir: str | None, pairs: list[tuple[str, str]]) -> list[float]:
-    """The engine's own score of each continuation after its context, tokenized as lm-eval does (the pair
-    encoded whole, the context's tokens cut off)."""
-    from ouro_fast import LLM, SamplingParams
-
-    llm = LLM(model_dir, device="cpu")
-    tok = llm.engine.tokenizer
-    prompts, spans = [], []
-    for context, continuation in pairs:
-        whole, ctx = tok.encode(context + continuation), tok.encode(context)
-        prompts.append({"prompt_token_ids": whole})
-        spans.append(len(ctx))
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-    scores = []
-    for out, start in zip(outs, spans):
-        pairs = zip(out.prompt_token_ids[start:], out.prompt_logprobs[start:])
-        scores.append(sum(entry[token].logprob for token, entry in pairs))
-    return scores
+def offline_loglikelihoods(model_dir: str, pairs: list[tuple[str, str]]) -> list[float]:
+    """The engine's own score of each pair (score.py, in a child interpreter outside the repository)."""
+    child = subprocess.run(
+        [sys.executable, "-P", str(HERE / "score.py"), model_dir], input=json.dumps(pairs), text=True,
+        capture_output=True, cwd=os.path.expanduser("~"), timeout=900,
+    )  # fmt: skip
+    if child.returncode != 0:
+        raise SystemExit(f"offline scoring failed ({child.returncode}):\n{child.stderr[-4000:]}")
+    return json.loads(child.stdout)
 
 
 def main() -> int:
