@@ -2,7 +2,8 @@
 # Build .device-wheels/ in the repo root: what the H200 machine (no network, Python 3.12, x86-64) lacks
 # beyond its image to serve ouro_fast and benchmark it, as cp312 wheels, plus install.sh to install them
 # there:
-#   - the server: Sanic and ujson (pyproject.toml), with the dependencies pip resolves for Python 3.12;
+#   - the server: Sanic, ujson and prometheus_client (pyproject.toml), with the dependencies pip resolves for
+#     Python 3.12, and jsonschema for the structured-output tests (xgrammar comes with the client's packages);
 #   - the vLLM 0.33.0 benchmark client: the packages of bench/client-requirements.txt that the image
 #     lacks (IMAGE below: the image holds torch, numpy, tokenizers, transformers, aiohttp, uvloop, ...),
 #     and vLLM's own wheel without its compiled kernels, as vllm-<version>-py.tgz (the client is pure
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/../.."
 DEST=${DEST:-.device-wheels}
 PY=${PYTHON:-python3}
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
-SERVER=(sanic==25.12.1 ujson==6.1.0 prometheus_client==0.26.0)
+SERVER=(sanic==25.12.1 ujson==6.1.0 prometheus_client==0.26.0 jsonschema==4.25.1)
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
   --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
