@@ -133,6 +133,12 @@ def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -
     return done
 
 
+def grammars_of(engine: Engine) -> Grammars:
+    """The engine's grammars, built by its first structured request."""
+    run(engine, {"first": ([3], SamplingParams(max_tokens=3, structured=StructuredOutput("regex", "a+")))})
+    return engine.scheduler.sampling.grammars
+
+
 def params(want: StructuredOutput, i: int, **extra) -> SamplingParams:
     # Half greedy, half sampled; half at full depth, half exiting early.
     temperature = 0.0 if i % 4 == 0 else 1.0
@@ -214,7 +220,7 @@ def test_invalid_specs_are_value_errors_that_say_what_is_wrong(engine):
 
 
 def test_each_grammar_is_compiled_once(engine):
-    grammars: Grammars = engine.scheduler.sampling.grammars
+    grammars = grammars_of(engine)
     want = StructuredOutput("regex", r"z+")
     first = grammars.compile(want)
     assert grammars.compile(StructuredOutput("regex", r"z+")) is first
@@ -286,3 +292,25 @@ def test_bad_structured_requests_are_400s_that_say_why(sdk, extra, says):
     with pytest.raises(openai.BadRequestError) as e:
         sdk.completions.create(model="ouro-tiny-random", prompt="x", max_tokens=5, extra_body=extra)
     assert says in e.value.message
+
+
+def test_a_row_is_filled_once_after_each_accepted_token(engine):
+    """accept() leaves the next row to fill_pending (called by the GPU runner while its loop runs) or to
+    apply(), which fills what is still pending: the mask is the matcher's, whichever fills it."""
+    import torch
+
+    grammars = grammars_of(engine)
+    rid = 5
+    grammars.add(rid, StructuredOutput("choice", json.dumps(["ab", "cd"])))
+    assert rid in grammars.stale
+    logits = torch.zeros(1, engine.model_config.vocab_size)
+    first = grammars.apply(logits, np.array([rid]))
+    allowed = set(torch.nonzero(first[0] > -1e30).flatten().tolist())
+    assert not grammars.stale and allowed and len(allowed) < 10
+    token = min(allowed)
+    assert grammars.accept(rid, token) and rid in grammars.stale
+    grammars.fill_pending()
+    second = grammars.apply(logits, np.array([rid]))
+    assert not torch.equal(first, second)
+    grammars.remove(rid)
+    assert rid not in grammars.stale and not grammars.any(np.array([rid]))

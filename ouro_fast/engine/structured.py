@@ -2,10 +2,11 @@
 which tokens a request may sample next.
 
 xgrammar compiles each distinct grammar once against the tokenizer's vocabulary (cached by its spec). Each
-request that asks for one holds a matcher that advances with every token the request accepts and then fills
-the request's row of a token bitmask for its next token, right away, on the host: with early exit the token
-may be sampled at any later loop, and the row is ready whichever it is. The sampler masks the logits of the
-rows that have a grammar on the logits' device; rows without one pay nothing.
+request that asks for one holds a matcher that advances with every token the request accepts. Its row of a
+token bitmask for the next token is filled on the host while the device runs the next step's loop (the
+runner calls `fill_pending` right after launching it), and at the latest when the row samples; with early
+exit the token may be sampled at any later loop. The sampler masks the logits of the rows that have a
+grammar on the logits' device; rows without one pay nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Grammars:
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         self.compiled: dict[StructuredOutput, object] = {}
         self.matchers: dict[int, object] = {}
+        self.stale: set[int] = set()  # rids whose next-token row is not filled yet
         self.active = np.zeros(capacity, bool)
         self.device = torch.device(device)
         pin = self.device.type == "cuda"
@@ -101,11 +103,18 @@ class Grammars:
         matcher = self.xgr.GrammarMatcher(self.compile(want))
         self.matchers[rid] = matcher
         self.active[rid] = True
-        matcher.fill_next_token_bitmask(self.bitmask, rid)
+        self.stale.add(rid)
 
     def remove(self, rid: int) -> None:
         self.matchers.pop(rid, None)
+        self.stale.discard(rid)
         self.active[rid] = False
+
+    def fill_pending(self) -> None:
+        """Fill the next-token rows of the requests that accepted a token since their last fill."""
+        for rid in self.stale:
+            self.matchers[rid].fill_next_token_bitmask(self.bitmask, rid)
+        self.stale.clear()
 
     def any(self, rids: np.ndarray) -> bool:
         return bool(self.active[rids].any())
@@ -113,6 +122,7 @@ class Grammars:
     def apply(self, logits: torch.Tensor, rids: np.ndarray) -> torch.Tensor:
         """Logits [rows, >= vocab] of requests `rids` with each grammar row's disallowed tokens at -inf (a
         copy; the input keeps the raw logits that log-probabilities are taken from)."""
+        self.fill_pending()
         rows = np.flatnonzero(self.active[rids])
         own = torch.from_numpy(rids[rows].astype(np.int64))
         masks = self.bitmask[own].to(logits.device, non_blocking=True)
@@ -123,13 +133,13 @@ class Grammars:
         return out
 
     def accept(self, rid: int, token: int) -> bool:
-        """Advance rid's matcher by its sampled token and fill the next token's mask; False if the grammar
+        """Advance rid's matcher by its sampled token (its next row is filled later); False if the grammar
         rejects the token."""
         matcher = self.matchers[rid]
         if not matcher.accept_token(token):
             return False
         if not matcher.is_terminated():
-            matcher.fill_next_token_bitmask(self.bitmask, rid)
+            self.stale.add(rid)
         return True
 
     def complete(self, rid: int) -> bool:
