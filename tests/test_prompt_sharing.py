@@ -147,7 +147,7 @@ def test_aborting_every_choice_frees_every_block(model_dir, when):
     for _ in range(when):
         eng.step()
     outs = eng.abort_all()
-    assert {o.request_id for o in outs if o.finished} == {"a", "b", "c"}
+    assert {o.request_id for o in outs if o.finished} == {"a", "b", "c"} and not eng.prefixes
     assert eng.scheduler.num_free_blocks == eng.scheduler.num_blocks and not eng.scheduler.blocks.refs.any()
     assert eng.num_running == eng.num_waiting == 0 and eng.scheduler.schedule() is None
 
@@ -164,6 +164,18 @@ def test_a_refused_choice_queues_none_of_them(model_dir):
         eng.add_requests(["a", "a"], PROMPT, [good, good])
     assert set(eng.requests) == {"taken"} and eng.num_waiting == 1 and not eng.prefixes
     drain(eng)
+
+
+def test_choices_beyond_the_schedulers_capacity_queue_none_of_them(model_dir):
+    eng = engine(
+        model_dir, max_num_seqs=2, max_waiting=2
+    )  # 4 requests at once; 3 choices take 4 with their prefix
+    eng.add_request("first", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(OverflowError):
+        eng.add_requests(["a", "b", "c"], PROMPT, choices(3, seeded=False))
+    assert set(eng.requests) == {"first"} and eng.num_waiting == 1 and not eng.prefixes
+    eng.add_requests(["a", "b"], PROMPT, choices(2, seeded=False))  # 3 fit
+    assert set(drain(eng)) == {"first", "a", "b"}
 
 
 def test_short_prompts_and_single_requests_share_nothing(model_dir):

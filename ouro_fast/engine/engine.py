@@ -226,6 +226,10 @@ class Engine:
             self.ahead.arrive(prefix)  # held until the device's run hands the batch back
         return prefix
 
+    def _forget_ended_prefixes(self) -> None:
+        for rid in [p for p in self.prefixes if self.scheduler.core.status(p) == FREE]:
+            self._forget_prefix(rid)
+
     def _forget_prefix(self, rid: int) -> None:
         """A prefix rid is gone (or taken again): drop what the engine kept for it."""
         if self.prefixes.pop(rid, None) is not None:
@@ -357,8 +361,7 @@ class Engine:
             for req in (self.by_rid[rid],) if sharers is None else sharers:
                 req.prompt_logprobs.extend(_top(lp, req.params.prompt_logprobs) for _, lp in entries)
         events = self.scheduler.update(result)
-        for rid in [p for p in self.prefixes if self.scheduler.core.status(p) == FREE]:
-            self._forget_prefix(rid)  # computed: its requests hold its blocks
+        self._forget_ended_prefixes()  # computed: their requests hold their blocks
         t1 = time.perf_counter()
         self.pending += self._outputs(events, plan, result)
         self.stats.record(plan, events, self.scheduler, host_s + t1 - t0, model_s, time.perf_counter() - t1)
@@ -406,6 +409,8 @@ class Engine:
         self, req: Request, reason: str, error: str | None = None, delta: str = "", new_ids=()
     ) -> StepOutput:
         self.scheduler.finish(req.rid)  # no-op when the scheduler already freed it (length cap)
+        if self.prefixes:
+            self._forget_ended_prefixes()  # a prefix ends with the last request on it
         self.scheduler.sampling.processors.remove(req.rid)
         self.scheduler.sampling.prompts.pop(req.rid, None)
         delta += self.detok.finish(req.rid)
