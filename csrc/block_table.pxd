@@ -19,9 +19,12 @@ cdef class BlockTable:
     cdef Py_ssize_t _num_loops
     cdef Py_ssize_t _max_seqs
     cdef Py_ssize_t _max_blocks_per_seq
-    # The pool: _free[:_num_free] is a stack of free block ids.
+    # The pool: _free[:_num_free] is a stack of free block ids; _refs[b]: holders of block b
+    # (tables and holds), 0 while free.
     cdef Py_ssize_t _num_free
     cdef int[::1] _free
+    cdef int[::1] _refs
+    cdef object _refs_arr
     # _tables[slot, loop, i]: the block of positions [i*bs, (i+1)*bs) at that loop, -1 if unowned;
     # _counts[slot]: blocks per loop the slot holds. Views of _tables_arr and _counts_arr.
     cdef int[:, :, ::1] _tables
@@ -38,3 +41,4 @@ cdef class BlockTable:
     # The block loops, on a checked slot: C fields only, nothing to fail.
     cdef void _take_blocks(self, Py_ssize_t slot, Py_ssize_t have, Py_ssize_t need) noexcept nogil
     cdef void _return_blocks(self, Py_ssize_t slot) noexcept nogil
+    cdef void _drop(self, int block) noexcept nogil

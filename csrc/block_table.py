@@ -11,6 +11,12 @@ blocks per loop owns `n * num_loops` physical blocks.
 Unused table entries are always -1 (`UNUSED_BLOCK`): a stray read of an
 unowned entry fails loudly instead of aliasing block 0.
 
+A block may have several holders: tables (a request's) and holds (hold() hands
+a slot's leading blocks to a holder outside the tables, adopt() passes such a
+hold to an empty slot's table). `refs[b]` counts them; the block returns to the
+pool when its last holder lets it go. Holders of a shared block only read it:
+the scheduler shares only blocks whose every position is computed.
+
 Compiled as ouro_fast.core.block_table; importable uncompiled as
 ouro_fast.core_py.block_table (the twin, same behaviour).
 """
@@ -59,6 +65,8 @@ class BlockTable:
         # Stack with block 0 on top, so a fresh pool hands out 0, 1, 2, ...
         self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self._num_free = num_blocks
+        self._refs_arr = np.zeros(num_blocks, dtype=np.int32)
+        self._refs = self._refs_arr
 
     @property
     def tables(self):
@@ -69,6 +77,11 @@ class BlockTable:
     def num_blocks_of(self):
         """int32 [max_seqs], the live array: blocks per loop held by each slot."""
         return self._counts_arr
+
+    @property
+    def refs(self):
+        """int32 [num_blocks], the live array: holders of each block (tables and holds; 0 while free)."""
+        return self._refs_arr
 
     @property
     def num_free_blocks(self) -> int:
@@ -141,7 +154,8 @@ class BlockTable:
         return True
 
     def free(self, slot: cython.Py_ssize_t) -> None:
-        """Return every block of `slot` to the pool and clear its tables; idempotent."""
+        """Let go of every block of `slot` (each returns to the pool once no other holder has it) and
+        clear its tables; idempotent."""
         self._check_slot(slot)
         self._return_blocks(slot)
 
@@ -154,11 +168,12 @@ class BlockTable:
             for t in range(self._num_loops):
                 self._num_free -= 1
                 self._tables[slot, t, i] = self._free[self._num_free]
+                self._refs[self._free[self._num_free]] = 1
         self._counts[slot] = cython.cast(cython.int, need)
 
     @cython.initializedcheck(False)
     def _return_blocks(self, slot: cython.Py_ssize_t) -> None:
-        """Push a checked slot's blocks back on the pool and clear its tables."""
+        """Let go of a checked slot's blocks (pooled once unheld) and clear its tables."""
         i: cython.Py_ssize_t
         t: cython.Py_ssize_t
         # Push in reverse allocation order so a re-allocation gets the same blocks back.
@@ -166,12 +181,74 @@ class BlockTable:
         while i >= 0:
             t = self._num_loops - 1
             while t >= 0:
-                self._free[self._num_free] = self._tables[slot, t, i]
-                self._num_free += 1
+                self._drop(self._tables[slot, t, i])
                 self._tables[slot, t, i] = UNUSED_BLOCK
                 t -= 1
             i -= 1
         self._counts[slot] = 0
+
+    @cython.initializedcheck(False)
+    def _drop(self, block: cython.int) -> None:
+        """One holder of a block lets go; the last one returns it to the pool."""
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free[self._num_free] = block
+            self._num_free += 1
+
+    @cython.initializedcheck(False)
+    def hold(self, slot: cython.Py_ssize_t, num_blocks: cython.Py_ssize_t):
+        """The slot's first `num_blocks` blocks of every loop, int32 [num_loops, num_blocks], each gaining
+        a holder: they stay out of the pool until release() drops the hold or adopt() hands it to a table."""
+        i: cython.Py_ssize_t
+        t: cython.Py_ssize_t
+        self._check_slot(slot)
+        if num_blocks < 0 or num_blocks > self._counts[slot]:
+            raise ValueError(f"slot {slot} holds {self._counts[slot]} blocks per loop, not {num_blocks}")
+        held = np.array(self._tables_arr[slot, :, :num_blocks])
+        for t in range(self._num_loops):
+            for i in range(num_blocks):
+                self._refs[self._tables[slot, t, i]] += 1
+        return held
+
+    def _check_held(self, held: cython.int[:, :]) -> cython.Py_ssize_t:
+        """Raises ValueError unless `held` is [num_loops, k] of held blocks; returns k."""
+        i: cython.Py_ssize_t
+        t: cython.Py_ssize_t
+        b: cython.int
+        if held.shape[0] != self._num_loops or held.shape[1] > self._max_blocks_per_seq:
+            raise ValueError(f"held blocks must be [{self._num_loops}, <= {self._max_blocks_per_seq}]")
+        for t in range(self._num_loops):
+            for i in range(held.shape[1]):
+                b = held[t, i]
+                if b < 0 or b >= self._num_blocks or self._refs[b] < 1:
+                    raise ValueError(f"block {b} is not held")
+        return held.shape[1]
+
+    @cython.initializedcheck(False)
+    def adopt(self, slot: cython.Py_ssize_t, held: cython.int[:, :]) -> None:
+        """An empty slot takes held blocks (hold()'s array) as its first blocks of every loop: the hold
+        becomes its table's, dropped with the slot's other blocks by free()."""
+        i: cython.Py_ssize_t
+        t: cython.Py_ssize_t
+        k: cython.Py_ssize_t
+        self._check_slot(slot)
+        if self._counts[slot] != 0:
+            raise ValueError(f"slot {slot} already holds blocks")
+        k = self._check_held(held)
+        for t in range(self._num_loops):
+            for i in range(k):
+                self._tables[slot, t, i] = held[t, i]
+        self._counts[slot] = cython.cast(cython.int, k)
+
+    @cython.initializedcheck(False)
+    def release(self, held: cython.int[:, :]) -> None:
+        """Drop one hold on each block of `held` (hold()'s array); unheld blocks return to the pool."""
+        i: cython.Py_ssize_t
+        t: cython.Py_ssize_t
+        k: cython.Py_ssize_t = self._check_held(held)
+        for t in range(self._num_loops):
+            for i in range(k):
+                self._drop(held[t, i])
 
     @cython.initializedcheck(False)
     def fill_slot_mapping(

@@ -14,6 +14,7 @@ cpdef enum:
     FREE = 0
     WAITING = 1
     RUNNING = 2
+    PARKED = 3
     NO_EXIT = 127
 
 
@@ -46,6 +47,11 @@ cdef class LoopScheduler:
     cdef float[::1] _log1mq
     cdef int[::1] _epoch  # bumped when a request loses its KV, so stale propagation is dropped
     cdef int[::1] _held  # 1: neither admitted nor started by schedule() (run-ahead seats it itself)
+    # Shared prompts: a prefix request computes blocks that its PARKED requests then share.
+    cdef int[::1] _is_prefix  # 1: an add_prefix() request (computed at every loop, never sampled)
+    cdef int[::1] _num_children  # a prefix's PARKED requests
+    cdef int[::1] _prefix_of  # a PARKED request's prefix rid, else -1
+    cdef list _shared  # per rid: the computed prefix's blocks it holds until admitted, else None
     cdef list _tokens  # per rid: a parked array, or (while it holds a KV slot) a view of its slot's row
     cdef list _depths
     # Tokens and depths of the requests holding KV, one row per slot: the hot paths index these
@@ -82,6 +88,7 @@ cdef class LoopScheduler:
     cdef readonly int num_events
     cdef readonly int num_preempted
     cdef readonly int num_refills
+    cdef readonly int num_prefill_tokens  # tokens of the step's new non-decode rows (prompts, recomputations)
     cdef readonly object row_rid
     cdef readonly object row_kv_slot
     cdef readonly object row_loop
@@ -131,6 +138,10 @@ cdef class LoopScheduler:
     cdef void _wait_push(self, int rid, bint front) noexcept nogil
     cdef void _wait_remove(self, int rid) noexcept nogil
     cdef void _wait_pop(self) noexcept nogil
+    cdef void _wait_insert(self, int rid) noexcept nogil
+    cdef int _new_request(self, object prompt, int cap_tokens) except -1
+    cdef int _release_children(self, int prefix, int num_blocks) except -1
+    cdef bint _take_kv(self, int rid, int length) except -1
     cdef int _release_slot(self, int rid, bint keep) except -1
     cdef int _preempt(self, int rid) except -1
     cdef int _chunk_len(self, int rid, int budget) noexcept nogil

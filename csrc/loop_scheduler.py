@@ -19,6 +19,16 @@ Depths are remembered so that a preempted request can be recomputed exactly
 (tokens past their depth do not write K/V; their deeper planes get the
 propagated copy, as in the original run).
 
+Shared prompts: a prefix request (add_prefix) is a whole number of blocks of a
+prompt, computed at every loop and never sampled. Requests added with it as their
+`prefix` wait PARKED, outside the queue, until it is computed; then each holds its
+blocks (BlockTable.hold), rejoins the queue in arrival order, and on admission
+adopts them and computes only its own tail (at least its last prompt token, so it
+samples as a request of its own would). A shared block is full and never written
+again: every write lands past it, in blocks of the request's own. A prefix ends
+once computed, or when its last parked request ends; ending it early lets its
+requests compute the whole prompt themselves.
+
 Memory policy: blocks are allocated when a row starts at loop 0 (all loops of
 its positions at once). When the pool runs dry, a request preempts the youngest
 (by arrival) running requests with no row in flight (their blocks freed, recomputed
@@ -37,6 +47,7 @@ if not cython.compiled:
     FREE = 0
     WAITING = 1
     RUNNING = 2
+    PARKED = 3  # waits for its prefix request to be computed (outside the queue)
     NO_EXIT = 127  # exit_lo/exit_hi of a row whose last token does not sample at this step
 
 
@@ -98,6 +109,9 @@ class LoopScheduler:
         self._pend_pos, self._pend_loop = i32(pend), i32(pend)
         self._epoch = i32(max_requests)
         self._held = i32(max_requests)
+        self._is_prefix, self._num_children = i32(max_requests), i32(max_requests)
+        self._prefix_of = np.full(max_requests, -1, dtype=np.int32)
+        self._shared = [None] * max_requests
         self._num_pend = 0
         self._alloc_outputs()
 
@@ -142,24 +156,64 @@ class LoopScheduler:
             self.ev_finished,
         )
         self.num_rows = self.num_step_tokens = self.num_cont_tokens = self.num_prop = self.num_events = 0
-        self.num_preempted = self.num_refills = 0
+        self.num_preempted = self.num_refills = self.num_prefill_tokens = 0
         return 0
 
     # ---- request lifecycle -------------------------------------------------
 
-    def add(self, prompt, cap_tokens: int, min_loops: int, max_loops: int, log1mq: float) -> int:
-        """Queue a request; returns its rid. `cap_tokens` = prompt + max new tokens (the finish length)."""
+    def add(
+        self, prompt, cap_tokens: int, min_loops: int, max_loops: int, log1mq: float, prefix: int = -1
+    ) -> int:
+        """Queue a request; returns its rid. `cap_tokens` = prompt + max new tokens (the finish length).
+        `prefix`: a live add_prefix() rid whose tokens begin the prompt: the request shares its blocks."""
         n: cython.int = len(prompt)
         rid: cython.int
         if n < 1 or cap_tokens <= n:
             raise ValueError("a request needs a non-empty prompt and room for at least one new token")
+        if not 1 <= min_loops <= max_loops <= self.num_loops:
+            raise ValueError(f"bad exit window: loops {min_loops}..{max_loops} of {self.num_loops}")
+        if prefix != -1:
+            if not (0 <= prefix < self.max_requests and self._is_prefix[prefix]):
+                raise ValueError(f"rid {prefix} is not a prefix request")
+            m = self._num_prompt[prefix]
+            if n <= m or not np.array_equal(self._tokens[prefix][:m], np.asarray(prompt[:m])):
+                raise ValueError("the prompt does not extend its prefix request's tokens")
+        rid = self._new_request(prompt, cap_tokens)
+        self._min_loops[rid], self._max_loops[rid], self._log1mq[rid] = min_loops, max_loops, log1mq
+        if prefix == -1:
+            self._status[rid] = WAITING
+            self._wait_push(rid, False)
+        else:
+            self._status[rid] = PARKED
+            self._prefix_of[rid] = prefix
+            self._num_children[prefix] += 1
+            self._num_waiting += 1
+        return rid
+
+    def add_prefix(self, prompt) -> int:
+        """Queue a prefix request: `prompt` (whole blocks) computed at every loop and never sampled, for the
+        requests added with it as their `prefix`; returns its rid. It ends once computed, its blocks
+        passing to them, or when the last of them ends."""
+        n: cython.int = len(prompt)
+        rid: cython.int
+        if n < 1 or n % self.bt._block_size:
+            raise ValueError(f"a prefix is whole {self.bt._block_size}-token blocks, not {n} tokens")
+        rid = self._new_request(prompt, n)
+        self._min_loops[rid], self._max_loops[rid], self._log1mq[rid] = self.num_loops, self.num_loops, 0.0
+        self._is_prefix[rid] = 1
+        self._status[rid] = WAITING
+        self._wait_push(rid, False)
+        return rid
+
+    def _new_request(self, prompt, cap_tokens: cython.int) -> cython.int:
+        """A rid for a request of `prompt` finishing at cap_tokens (checked to fit), not queued yet."""
+        n: cython.int = len(prompt)
+        rid: cython.int
         bs = self.bt._block_size
         if (cap_tokens + bs - 1) // bs * self.num_loops > self.bt._num_blocks:
             raise ValueError(f"{cap_tokens} tokens need more KV blocks than the whole pool holds")
         if cap_tokens > self.bt._max_blocks_per_seq * bs:
             raise ValueError(f"{cap_tokens} tokens exceed the per-request block table")
-        if not 1 <= min_loops <= max_loops <= self.num_loops:
-            raise ValueError(f"bad exit window: loops {min_loops}..{max_loops} of {self.num_loops}")
         if self._num_free_rids == 0:
             raise OverflowError("the scheduler holds max_requests requests already")
         self._num_free_rids -= 1
@@ -173,14 +227,11 @@ class LoopScheduler:
         self._num_tokens[rid] = n
         self._num_done[rid] = 0
         self._cap[rid] = cap_tokens
-        self._min_loops[rid], self._max_loops[rid], self._log1mq[rid] = min_loops, max_loops, log1mq
         self._arrival[rid] = self.arrivals
         self.arrivals += 1
         self._row_loop[rid] = -1
         self._kv_slot[rid] = -1
         self._held[rid] = 0
-        self._status[rid] = WAITING
-        self._wait_push(rid, False)
         return rid
 
     @cython.initializedcheck(True)
@@ -195,8 +246,8 @@ class LoopScheduler:
         blocks for its known tokens at every loop. False, changing nothing, if none are free."""
         if self._status[rid] != WAITING or self._wait_count == 0 or self._waiting[self._wait_head] != rid:
             return False
-        if self._num_free_slots == 0:
-            return False
+        if self._num_free_slots == 0 or self._shared[rid] is not None or self._is_prefix[rid]:
+            return False  # shared blocks and prefixes are admitted by schedule() alone
         self._admit(rid)
         if not self.bt.allocate(self._kv_slot[rid], self._num_tokens[rid]):
             self._release_slot(rid, False)
@@ -252,17 +303,45 @@ class LoopScheduler:
 
     def _finish(self, rid: cython.int) -> cython.int:
         """finish() of a rid in range."""
+        prefix: cython.int = -1
         if self._status[rid] == FREE:
             return 0
-        if self._status[rid] == WAITING:
+        if self._status[rid] == PARKED:
+            prefix = self._prefix_of[rid]
+            self._prefix_of[rid] = -1
+            self._num_children[prefix] -= 1
+            self._num_waiting -= 1
+        elif self._status[rid] == WAITING:
             self._wait_remove(rid)
         else:
             self._release_slot(rid, False)
+        if self._shared[rid] is not None:
+            self.bt.release(self._shared[rid])
+            self._shared[rid] = None
+        if self._is_prefix[rid] and self._num_children[rid]:
+            self._release_children(rid, 0)  # not computed: they compute the whole prompt themselves
+        self._is_prefix[rid] = 0
         self._status[rid] = FREE
         self._tokens[rid] = None
         self._depths[rid] = None
         self._free_rids[self._num_free_rids] = rid
         self._num_free_rids += 1
+        if prefix >= 0 and self._num_children[prefix] == 0:
+            self._finish(prefix)  # nobody is left to share it
+        return 0
+
+    def _release_children(self, prefix: cython.int, num_blocks: cython.int) -> cython.int:
+        """Queue a prefix's parked requests in arrival order, each holding its first num_blocks blocks."""
+        kids = np.flatnonzero((np.asarray(self._status) == PARKED) & (np.asarray(self._prefix_of) == prefix))
+        for rid in kids[np.argsort(np.asarray(self._arrival)[kids], kind="stable")].tolist():
+            if num_blocks:
+                self._shared[rid] = self.bt.hold(self._kv_slot[prefix], num_blocks)
+                self._num_done[rid] = num_blocks * self.bt._block_size
+            self._prefix_of[rid] = -1
+            self._status[rid] = WAITING
+            self._num_waiting -= 1
+            self._wait_insert(rid)
+        self._num_children[prefix] = 0
         return 0
 
     def _wait_push(self, rid: cython.int, front: cython.bint) -> cython.void:
@@ -272,6 +351,17 @@ class LoopScheduler:
             self._waiting[self._wait_head] = rid
         else:
             self._waiting[(self._wait_head + self._wait_count) % cap] = rid
+        self._wait_count += 1
+        self._num_waiting += 1
+
+    def _wait_insert(self, rid: cython.int) -> cython.void:
+        """Queue a request behind every waiting one that arrived before it."""
+        cap: cython.int = self.max_requests
+        i: cython.int = self._wait_count
+        while i > 0 and self._arrival[self._waiting[(self._wait_head + i - 1) % cap]] > self._arrival[rid]:
+            self._waiting[(self._wait_head + i) % cap] = self._waiting[(self._wait_head + i - 1) % cap]
+            i -= 1
+        self._waiting[(self._wait_head + i) % cap] = rid
         self._wait_count += 1
         self._num_waiting += 1
 
@@ -330,7 +420,7 @@ class LoopScheduler:
         start: cython.int = self._num_done[rid]
         slot: cython.int = self._kv_slot[rid]
         deepest: cython.int = 0
-        live: cython.int = 1 if start + length == self._num_tokens[rid] else 0
+        live: cython.int = 1 if start + length == self._num_tokens[rid] and not self._is_prefix[rid] else 0
         for i in range(start, start + length - live):
             d = self._sdep[slot, i]
             if d > deepest:
@@ -363,6 +453,8 @@ class LoopScheduler:
         self._o_new[r] = 0 if prev else 1
         # A plain decode row: one generated token that has not exited yet (what run-ahead can drive).
         self._o_dec[r] = 1 if n == 1 and self._row_live[rid] and self._row_depth[rid] == 0 else 0
+        if not prev and not self._o_dec[r]:
+            self.num_prefill_tokens += n
         if self._row_live[rid]:
             self._o_lo[r] = self._min_loops[rid] - 1
             self._o_hi[r] = self._max_loops[rid] - 1
@@ -426,6 +518,7 @@ class LoopScheduler:
         rid: cython.int
         self.num_preempted = 0
         self.num_refills = 0
+        self.num_prefill_tokens = 0
         # 1. Rows in flight continue at their next loop (compacted in place: r <= k).
         for k in range(self.num_rows):
             rid = self._o_rid[k]
@@ -506,7 +599,7 @@ class LoopScheduler:
                 break
             n = self._chunk_len(rid, self.max_tokens - off)
             self._admit(rid)
-            if not self.bt.allocate(self._kv_slot[rid], n):
+            if not self._take_kv(rid, n):
                 self._release_slot(rid, False)  # nothing was loaded into the slot yet
                 self._status[rid] = WAITING
                 break
@@ -518,6 +611,21 @@ class LoopScheduler:
             r += 1
         self._off = off
         return r
+
+    def _take_kv(self, rid: cython.int, length: cython.int) -> cython.bint:
+        """Blocks for an admitted request's first `length` uncomputed tokens: its shared blocks and
+        its own. False, taking nothing, when the pool lacks them."""
+        slot: cython.int = self._kv_slot[rid]
+        end: cython.int = self._num_done[rid] + length
+        bs: cython.int = cython.cast(cython.int, self.bt._block_size)
+        shared = self._shared[rid]
+        if shared is None:
+            return self.bt.allocate(slot, length)
+        if ((end + bs - 1) // bs - shared.shape[1]) * self.num_loops > self.bt._num_free:
+            return False
+        self.bt.adopt(slot, shared)
+        self._shared[rid] = None
+        return self.bt.allocate(slot, end)
 
     def _wait_pop(self) -> cython.void:
         self._wait_head = (self._wait_head + 1) % self.max_requests
@@ -580,6 +688,13 @@ class LoopScheduler:
                 if self._status[rid] == FREE:
                     continue
             self._advance_row(rid)
+            if (
+                self._is_prefix[rid]
+                and self._row_loop[rid] < 0
+                and self._num_done[rid] == self._num_prompt[rid]
+            ):
+                self._release_children(rid, self._num_prompt[rid] // self.bt._block_size)
+                self._finish(rid)  # computed: its requests hold its blocks now
         self.num_events = ev
         return ev
 

@@ -33,13 +33,28 @@ def ref_slot(bt, slot: int, loop: int, pos: int) -> int:
     return int(bt.tables[slot, loop, pos // bs]) * bs + pos % bs
 
 
-def check_pool(bt) -> None:
-    owned = owned_blocks(bt)
-    assert len(owned) == len(set(owned)), "a physical block is owned twice"
+def check_pool(bt, holds=()) -> None:
+    """Every block's refs count its holders (table entries and holds); unheld blocks are the free ones."""
+    owned = owned_blocks(bt) + [int(b) for h in holds for b in h.ravel()]
     assert all(0 <= b < bt.num_blocks for b in owned)
-    assert len(owned) + bt.num_free_blocks == bt.num_blocks
+    holders = np.bincount(np.asarray(owned, np.int64), minlength=bt.num_blocks)
+    assert bt.refs.tolist() == holders.tolist()
+    assert bt.num_free_blocks == int((holders == 0).sum())
     for s, n in enumerate(bt.num_blocks_of):
         assert (bt.tables[s, :, n:] == -1).all(), "entries past the held blocks must be -1"
+
+
+def block_places(bt, holds=()) -> dict[int, set]:
+    """block -> the (loop, index) places it fills in tables and holds: a shared block has one place."""
+    places: dict[int, set] = {}
+    for s, n in enumerate(bt.num_blocks_of):
+        for t in range(bt.num_loops):
+            for i in range(int(n)):
+                places.setdefault(int(bt.tables[s, t, i]), set()).add((t, i))
+    for h in holds:
+        for (t, i), b in np.ndenumerate(h):
+            places.setdefault(int(b), set()).add((t, i))
+    return places
 
 
 def all_mappings(bt) -> np.ndarray:
@@ -62,6 +77,7 @@ def make_machine(modname: str, num_blocks: int, block_size: int, num_loops: int,
             super().__init__()
             self.bt = module.BlockTable(num_blocks, block_size, num_loops, max_seqs, max_bps)
             self.model = [0] * max_seqs  # blocks per loop each slot should hold
+            self.holds: list[np.ndarray] = []  # hold() results not yet adopted or released
 
         @rule(slot=st.integers(0, max_seqs - 1), num_tokens=st.integers(0, max_bps * block_size + 3))
         def allocate(self, slot, num_tokens):
@@ -91,10 +107,48 @@ def make_machine(modname: str, num_blocks: int, block_size: int, num_loops: int,
         @rule(slot=st.integers(0, max_seqs - 1))
         def free(self, slot):
             before_free = self.bt.num_free_blocks
+            mine = self.bt.tables[slot, :, : self.model[slot]].ravel()
+            last_holder = int((self.bt.refs[mine] == 1).sum())
             self.bt.free(slot)
-            assert self.bt.num_free_blocks == before_free + self.model[slot] * num_loops
+            # Only the blocks no other table or hold has go back to the pool.
+            assert self.bt.num_free_blocks == before_free + last_holder
             self.model[slot] = 0
             assert (self.bt.tables[slot] == -1).all()
+
+        @precondition(lambda self: any(self.model))
+        @rule(data=st.data())
+        def hold(self, data):
+            bt = self.bt
+            slot = data.draw(st.sampled_from([s for s in range(max_seqs) if self.model[s]]))
+            k = data.draw(st.integers(0, self.model[slot]))
+            before_refs, before_free = bt.refs.copy(), bt.num_free_blocks
+            held = bt.hold(slot, k)
+            assert held.dtype == np.int32 and held.tolist() == bt.tables[slot, :, :k].tolist()
+            assert (bt.refs[held.ravel()] == before_refs[held.ravel()] + 1).all()
+            assert bt.num_free_blocks == before_free
+            self.holds.append(held)
+
+        @precondition(lambda self: bool(self.holds) and not all(self.model))
+        @rule(data=st.data())
+        def adopt(self, data):
+            bt = self.bt
+            held = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
+            slot = data.draw(st.sampled_from([s for s in range(max_seqs) if not self.model[s]]))
+            before_refs = bt.refs.copy()
+            bt.adopt(slot, held)
+            self.model[slot] = held.shape[1]
+            assert bt.tables[slot, :, : held.shape[1]].tolist() == held.tolist()
+            assert (bt.refs == before_refs).all(), "the hold passes to the table: no count changes"
+
+        @precondition(lambda self: bool(self.holds))
+        @rule(data=st.data())
+        def release(self, data):
+            bt = self.bt
+            held = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
+            before_free = bt.num_free_blocks
+            last_holder = int((bt.refs[held.ravel()] == 1).sum())
+            bt.release(held)
+            assert bt.num_free_blocks == before_free + last_holder
 
         @precondition(lambda self: any(self.model))
         @rule(data=st.data())
@@ -120,14 +174,23 @@ def make_machine(modname: str, num_blocks: int, block_size: int, num_loops: int,
 
         @invariant()
         def pool_is_consistent(self):
-            check_pool(self.bt)
+            check_pool(self.bt, self.holds)
             assert self.bt.num_blocks_of.tolist() == self.model
 
         @invariant()
-        def mappings_unique_and_match_tables(self):
+        def shared_blocks_keep_their_place(self):
+            # A block shared by tables or holds is the same positions of the same loop for each.
+            assert all(len(p) == 1 for p in block_places(self.bt, self.holds).values())
+
+        @invariant()
+        def mappings_match_tables(self):
             bt = self.bt
             got = all_mappings(bt)
-            assert len(np.unique(got)) == len(got), "two positions share a physical slot"
+            off = 0
+            for n in self.model:  # within one slot, no two positions share a physical slot
+                one = got[off : off + n * block_size * num_loops]
+                assert len(np.unique(one)) == len(one)
+                off += len(one)
             expected = [
                 ref_slot(bt, s, t, p)
                 for s in range(max_seqs)
@@ -230,11 +293,55 @@ def test_bad_mapping_and_propagation_inputs(mod):
         bt.fill_propagation(one, one, one, 2, src, dst)
 
 
+def test_shared_blocks_outlive_their_first_table(mod):
+    bt = mod.BlockTable(num_blocks=24, block_size=4, num_loops=2, max_seqs=3, max_blocks_per_seq=4)
+    assert bt.allocate(0, 10)  # 3 blocks per loop
+    held = bt.hold(0, 2)  # the two full blocks of each loop, for two later tables
+    again = bt.hold(0, 2)
+    assert held.tolist() == bt.tables[0, :, :2].tolist() and bt.refs[held.ravel()].tolist() == [3] * 4
+    bt.free(0)  # the partial block goes back; the held ones stay out of the pool
+    assert bt.num_free_blocks == 24 - 4 and bt.refs[held.ravel()].tolist() == [2] * 4
+    bt.adopt(1, held)
+    bt.adopt(2, again)
+    assert bt.allocate(1, 12) and bt.allocate(2, 9)  # each grows with blocks of its own
+    assert bt.tables[1, :, :2].tolist() == bt.tables[2, :, :2].tolist() == held.tolist()
+    assert bt.tables[1, 0, 2] != bt.tables[2, 0, 2]
+    bt.free(1)
+    assert bt.refs[held.ravel()].tolist() == [1] * 4 and bt.num_free_blocks == 24 - 4 - 2
+    bt.free(2)
+    assert bt.num_free_blocks == 24 and not bt.refs.any()
+
+
+def test_hold_adopt_release_refuse_bad_input(mod):
+    bt = mod.BlockTable(num_blocks=16, block_size=2, num_loops=2, max_seqs=2, max_blocks_per_seq=3)
+    assert bt.allocate(0, 4)
+    with pytest.raises(ValueError, match="holds 2 blocks"):
+        bt.hold(0, 3)
+    with pytest.raises(ValueError, match="slot"):
+        bt.hold(2, 0)
+    held = bt.hold(0, 1)
+    with pytest.raises(ValueError, match="already holds"):
+        bt.adopt(0, held)
+    with pytest.raises(ValueError, match="held blocks must be"):
+        bt.adopt(1, held[:1])
+    with pytest.raises(ValueError, match="not held"):
+        bt.release(np.array([[15], [14]], np.int32))  # free blocks: releasing them would corrupt the pool
+    assert bt.num_free_blocks == 12
+    bt.release(held)
+    bt.free(0)
+    with pytest.raises(ValueError, match="not held"):
+        bt.release(held)  # a hold is dropped once
+    assert bt.num_free_blocks == 16 and not bt.refs.any()
+
+
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("alloc"), st.integers(0, 3), st.integers(0, 20)),
         st.tuples(st.just("free"), st.integers(0, 3), st.just(0)),
         st.tuples(st.just("prop"), st.integers(0, 3), st.integers(0, 2**16)),
+        st.tuples(st.just("hold"), st.integers(0, 3), st.integers(0, 6)),
+        st.tuples(st.just("adopt"), st.integers(0, 3), st.integers(0, 3)),
+        st.tuples(st.just("release"), st.just(0), st.integers(0, 3)),
     ),
     max_size=40,
 )
@@ -243,9 +350,18 @@ OPS = st.lists(
 def run_trace(modname: str, ops) -> list:
     """Applies a trace of operations and records every observable result."""
     bt = importlib.import_module(modname).BlockTable(30, 3, 4, 4, 6)
-    log = []
+    log, holds = [], []
     for op, slot, arg in ops:
-        if op == "alloc":
+        if op in ("hold", "adopt", "release"):
+            try:
+                if op == "hold":
+                    holds.append(bt.hold(slot, arg))
+                elif holds:
+                    held = holds.pop(arg % len(holds))
+                    bt.adopt(slot, held) if op == "adopt" else bt.release(held)
+            except ValueError:
+                log.append((op, "ValueError"))
+        elif op == "alloc":
             try:
                 log.append(("alloc", bt.blocks_needed(slot, arg), bt.allocate(slot, arg)))
             except ValueError:
@@ -261,7 +377,13 @@ def run_trace(modname: str, ops) -> list:
             n = bt.fill_propagation(np.full(5, slot, np.int32), pos, exits, 5, src, dst)
             log.append(("prop", n, src[:n].tolist(), dst[:n].tolist()))
         log.append(
-            (bt.tables.tolist(), bt.num_blocks_of.tolist(), bt.num_free_blocks, all_mappings(bt).tolist())
+            (
+                bt.tables.tolist(),
+                bt.num_blocks_of.tolist(),
+                bt.num_free_blocks,
+                bt.refs.tolist(),
+                all_mappings(bt).tolist(),
+            )
         )
     return log
 

@@ -317,12 +317,14 @@ def test_llm_chat_uses_the_template_and_stops_at_the_end_of_turn(model_dir):
     assert out.prompt == tok.apply_chat_template(conversation)
     assert out.prompt_token_ids == tok.encode(out.prompt)
     # The template's end-of-turn token (ChatML: <|im_end|>) joins a chat request's stop ids.
-    seen, add = [], llm.engine.add_request
-    llm.engine.add_request = lambda key, ids, p: seen.append(p.stop_token_ids) or add(key, ids, p)
+    seen, add = [], llm.engine.add_requests
+    llm.engine.add_requests = lambda keys, ids, ps: (
+        seen.extend(p.stop_token_ids for p in ps) or add(keys, ids, ps)
+    )
     llm.chat(conversation, SamplingParams(max_tokens=2, temperature=0, stop_token_ids=[7]))
     llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0))
     assert seen == [[7, tok.token_to_id("<|im_end|>")], []]
-    llm.engine.add_request = add
+    llm.engine.add_requests = add
     outs = llm.chat(
         [conversation, conversation], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     )

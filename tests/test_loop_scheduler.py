@@ -695,7 +695,8 @@ def test_admit_now_changes_nothing_without_a_slot_or_blocks(impl):
 
 def test_module_constants_match_the_twin():
     """Compiled, the states and NO_EXIT are C constants (a cpdef enum) that stay module attributes."""
-    for name, value in (("FREE", FREE), ("WAITING", WAITING), ("RUNNING", RUNNING), ("NO_EXIT", NO_EXIT)):
+    names = (("FREE", FREE), ("WAITING", WAITING), ("RUNNING", RUNNING), ("NO_EXIT", NO_EXIT))
+    for name, value in (*names, ("PARKED", 3)):
         assert getattr(ls_c, name) == getattr(ls_py, name) == value
         assert type(getattr(ls_c, name)) is int
 
@@ -705,3 +706,176 @@ def test_compiled_scheduler_takes_only_the_compiled_block_table():
     with pytest.raises(TypeError):
         ls_c.LoopScheduler(bt_py.BlockTable(8, 4, T, 2, 2), 2, 2, 16)
     ls_py.LoopScheduler(bt_c.BlockTable(8, 4, T, 2, 2), 2, 2, 16)  # the twin duck-types
+
+
+# ---- shared prompts: one prefix request computed, its blocks forked ------------------------------
+
+PARKED = 3
+
+
+def step(s, token: int = 9) -> list[tuple[int, int, int]]:
+    """One schedule + update with a fake runner: live rows exit at their last allowed loop.
+    Returns the events (rid, token, finished)."""
+    n = s.schedule()
+    exited = (s.row_loop[:n] >= s.row_exit_hi[:n]) & (s.row_exit_lo[:n] != NO_EXIT)
+    e = s.update(exited.astype(np.uint8), np.full(n, token, np.int32))
+    return list(zip(s.ev_rid[:e].tolist(), s.ev_token[:e].tolist(), s.ev_finished[:e].tolist()))
+
+
+def shared_group(impl, num_blocks=64, max_rows=4, choices=3, prompt_len=10, max_new=3):
+    """A prefix request of the prompt's whole blocks but the last token's, and `choices` requests on it."""
+    bt_mod, ls_mod = impl
+    bt = bt_mod.BlockTable(num_blocks, 4, T, max_rows, 8)
+    s = ls_mod.LoopScheduler(bt, 8, max_rows, 64)
+    prompt = np.arange(100, 100 + prompt_len, dtype=np.int32)
+    shared = (prompt_len - 1) // 4 * 4
+    prefix = s.add_prefix(prompt[:shared])
+    kids = [s.add(prompt, prompt_len + max_new, T, T, 0.0, prefix=prefix) for _ in range(choices)]
+    return bt, s, prefix, kids
+
+
+@IMPLS
+def test_a_shared_prompt_is_computed_once_and_forked_at_a_block_boundary(impl):
+    bt, s, prefix, kids = shared_group(impl)
+    assert [s.status(k) for k in kids] == [PARKED] * 3 and s.num_waiting == 4
+    prefix_blocks = None
+    for t in range(T):  # the prefix alone runs its 8 tokens at every loop; it never samples
+        n = s.schedule()
+        assert n == 1 and s.row_rid[0] == prefix and s.row_loop[0] == t and s.row_exit_lo[0] == NO_EXIT
+        assert s.num_prefill_tokens == (8 if t == 0 else 0)
+        prefix_blocks = bt.tables[s.kv_slot(prefix), :, :2].copy()
+        assert s.update(np.ones(1, np.uint8), np.zeros(1, np.int32)) == 0  # exit flags of a prefix: ignored
+    assert s.status(prefix) == FREE and [s.status(k) for k in kids] == [WAITING] * 3
+    assert (bt.refs[prefix_blocks.ravel()] == 3).all()  # held by the three choices, none by a table yet
+    n = s.schedule()
+    assert n == 3 and s.row_rid[:n].tolist() == kids and s.num_prefill_tokens == 3 * 2
+    assert s.row_start[:n].tolist() == [8] * 3 and s.row_len[:n].tolist() == [2] * 3
+    for k in kids:
+        assert (bt.tables[s.kv_slot(k), :, :2] == prefix_blocks).all()
+    # Writes land in each choice's own third block, never in the shared two.
+    own = {int(bt.tables[s.kv_slot(k), 0, 2]) for k in kids}
+    assert len(own) == 3 and set((s.slot_mapping[: s.num_step_tokens] // 4).tolist()) == own
+    shared = set(prefix_blocks.ravel().tolist())
+    s.update(np.zeros(n, np.uint8), np.zeros(n, np.int32))
+    finished = []
+    for _ in range(40):
+        written = s.slot_mapping[: s.num_step_tokens]
+        assert not shared & set((written[written >= 0] // 4).tolist())
+        assert not shared & set((s.prop_dst[: s.num_prop] // 4).tolist())
+        finished += [rid for rid, _, fin in step(s) if fin]
+    assert sorted(finished) == sorted(kids) and bt.num_free_blocks == 64 and not bt.refs.any()
+
+
+@IMPLS
+def test_a_choice_that_ends_frees_only_its_own_blocks(impl):
+    bt, s, prefix, kids = shared_group(impl, choices=2, max_new=6)
+    for _ in range(T + 1):
+        step(s)
+    a, b = kids
+    shared = bt.tables[s.kv_slot(a), :, :2].copy()
+    own_a = bt.num_blocks_of[s.kv_slot(a)] - 2
+    free = bt.num_free_blocks
+    s.finish(a)
+    assert bt.num_free_blocks == free + own_a * T and (bt.refs[shared.ravel()] == 1).all()
+    assert (bt.tables[s.kv_slot(b), :, :2] == shared).all() and s.status(b) == RUNNING
+    s.finish(b)
+    assert bt.num_free_blocks == 64 and not bt.refs.any()
+
+
+@IMPLS
+def test_ending_every_choice_ends_the_prefix_and_frees_everything(impl):
+    bt, s, prefix, kids = shared_group(impl)
+    step(s)  # the prefix is computing
+    s.finish(kids[0])
+    assert s.status(prefix) == RUNNING  # the others still wait for it
+    for k in kids[1:]:
+        s.finish(k)
+    assert s.status(prefix) == FREE and s.num_waiting == 0 and s.num_running == 0
+    assert bt.num_free_blocks == 64 and s.schedule() == 0
+    # Ended after the fork but before admission: the holds on the prefix's blocks are dropped.
+    bt, s, prefix, kids = shared_group(impl, max_rows=1)
+    for _ in range(T):
+        step(s)
+    assert s.status(prefix) == FREE and bt.num_free_blocks == 64 - 2 * T
+    for k in kids:
+        s.finish(k)
+    assert bt.num_free_blocks == 64 and not bt.refs.any() and s.num_waiting == 0
+
+
+@IMPLS
+def test_a_prefix_ended_early_leaves_its_choices_the_whole_prompt(impl):
+    bt, s, prefix, kids = shared_group(impl, choices=2)
+    step(s)
+    s.finish(prefix)
+    assert [s.status(k) for k in kids] == [WAITING] * 2 and bt.num_free_blocks == 64
+    n = s.schedule()
+    assert s.row_rid[:n].tolist() == kids and s.row_start[:n].tolist() == [0, 0]
+    assert s.row_len[:n].tolist() == [10, 10]
+
+
+@IMPLS
+def test_parked_choices_let_later_requests_run_and_keep_their_place(impl):
+    bt_mod, ls_mod = impl
+    bt = bt_mod.BlockTable(64, 4, T, 2, 8)
+    s = ls_mod.LoopScheduler(bt, 8, 2, 64)
+    prompt = np.arange(9, dtype=np.int32)
+    prefix = s.add_prefix(prompt[:8])
+    a, b = (s.add(prompt, 12, T, T, 0.0, prefix=prefix) for _ in range(2))
+    late = s.add(np.array([1, 2], np.int32), 4, T, T, 0.0)
+    later = s.add(np.array([3], np.int32), 4, T, T, 0.0)
+    n = s.schedule()  # the parked choices do not hold the queue up
+    assert sorted(s.row_rid[:n].tolist()) == sorted([prefix, late])
+    s.update(np.zeros(n, np.uint8), np.zeros(n, np.int32))
+    for _ in range(T - 1):
+        step(s)
+    n = s.schedule()  # one slot is free: the older choice, not the later request
+    assert a in s.row_rid[:n].tolist() and later not in s.row_rid[:n].tolist()
+    assert s.status(b) == WAITING and s.status(later) == WAITING
+
+
+@IMPLS
+def test_a_preempted_choice_recomputes_its_prompt_alone(impl):
+    """A pool too small for three choices: younger ones are preempted, drop their shared blocks,
+    recompute from position 0 in blocks of their own, and every choice finishes with the pool whole."""
+    bt, s, prefix, kids = shared_group(impl, num_blocks=4 * T, choices=3, prompt_len=6, max_new=9)
+    firsts: dict[int, list] = {k: [] for k in kids}  # (start, length) of each new row not a decode
+    finished, preempted = [], 0
+    for _ in range(400):
+        n = s.schedule()
+        preempted += s.num_preempted
+        for r in range(n):
+            rid = int(s.row_rid[r])
+            if rid in firsts and s.row_loop[r] == 0 and s.row_len[r] > 1:
+                firsts[rid].append((int(s.row_start[r]), int(s.row_len[r])))
+        exited = (s.row_loop[:n] >= s.row_exit_hi[:n]) & (s.row_exit_lo[:n] != NO_EXIT)
+        e = s.update(exited.astype(np.uint8), np.full(n, 9, np.int32))
+        finished += [rid for rid, fin in zip(s.ev_rid[:e].tolist(), s.ev_finished[:e].tolist()) if fin]
+        if len(finished) == 3:
+            break
+    assert sorted(finished) == sorted(kids) and preempted > 0
+    assert all(rows[0] == (4, 2) for rows in firsts.values())  # forked: only the tail computed
+    assert any(start == 0 for rows in firsts.values() for start, _ in rows[1:])  # a recomputation
+    assert bt.num_free_blocks == 4 * T and not bt.refs.any()
+
+
+@IMPLS
+def test_shared_prompt_input_is_checked(impl):
+    bt_mod, ls_mod = impl
+    s = ls_mod.LoopScheduler(bt_mod.BlockTable(64, 4, T, 2, 8), 8, 2, 64)
+    prompt = np.arange(9, dtype=np.int32)
+    with pytest.raises(ValueError, match="whole 4-token blocks"):
+        s.add_prefix(prompt[:6])
+    plain = s.add(prompt, 12, 1, T, 0.0)
+    with pytest.raises(ValueError, match="not a prefix"):
+        s.add(prompt, 12, 1, T, 0.0, prefix=plain)
+    prefix = s.add_prefix(prompt[:8])
+    with pytest.raises(ValueError, match="extend"):
+        s.add(prompt[:8], 12, 1, T, 0.0, prefix=prefix)  # no token of its own to sample from
+    with pytest.raises(ValueError, match="extend"):
+        s.add(prompt[::-1].copy(), 12, 1, T, 0.0, prefix=prefix)
+    child = s.add(prompt, 12, 1, T, 0.0, prefix=prefix)
+    assert s.admit_now(prefix) is False and s.status(child) == PARKED
+    s.finish(plain)
+    for _ in range(T):
+        step(s)
+    assert s.status(child) == WAITING and s.admit_now(child) is False  # its shared blocks: schedule() only

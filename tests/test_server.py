@@ -539,6 +539,32 @@ def test_prompt_lists_and_n(server, llm):
         assert [c["index"] for c in chat["choices"]] == [0, 1]
 
 
+def test_n_choices_compute_their_prompt_once(server, llm):
+    """n = 4 choices of a 40-token prompt: its two whole 16-token blocks are computed once and shared,
+    each choice computes its last 8 tokens; every choice is what a request of its own gives."""
+    ids = list(range(300, 340))
+    params = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        before = wait_idle(server)["ouro_fast:prefill_tokens_total"]
+        body = http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "n": 4, "seed": 5, **params})
+        after = wait_idle(server)["ouro_fast:prefill_tokens_total"]
+        assert after - before == 32 + 4 * 8  # not 4 x 40
+        choices = sorted(body.json()["choices"], key=lambda c: c["index"])
+        assert [c["index"] for c in choices] == [0, 1, 2, 3]
+        assert [c["text"] for c in choices] == [offline(llm, ids, seed=5 + j, **params)[0] for j in range(4)]
+        assert body.json()["usage"] == {"prompt_tokens": 40, "completion_tokens": 24, "total_tokens": 64}
+        # Equal prompts of a list share too; echo and prompt logprobs are computed once, reported per choice.
+        body = {"model": MODEL, "prompt": [ids, ids], "n": 2, "max_tokens": 1, "echo": True, "logprobs": 1,
+                "prompt_logprobs": 1, "temperature": 0}  # fmt: skip
+        before = after
+        r = http.post("/v1/completions", json=body).json()
+        assert wait_idle(server)["ouro_fast:prefill_tokens_total"] - before == 32 + 4 * 8
+        assert r["usage"]["prompt_tokens"] == 80 and r["usage"]["completion_tokens"] == 4
+        echoed = [c["logprobs"]["token_logprobs"][:40] for c in r["choices"]]
+        assert len(echoed) == 4 and echoed[0][0] is None and all(e == echoed[0] for e in echoed)
+        assert all(c["prompt_logprobs"] == r["choices"][0]["prompt_logprobs"] for c in r["choices"])
+
+
 def test_echo_and_prompt_logprobs(server, llm):
     """What lm-evaluation-harness asks for a loglikelihood: the prompt echoed with each token's logprob."""
     tok = llm.engine.tokenizer

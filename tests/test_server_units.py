@@ -394,6 +394,11 @@ class FakeEngine:
             raise ValueError("the prompt is empty")
         self.requests[rid] = len(prompt_ids)
 
+    def add_requests(self, rids, prompt_ids, params):
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        self.requests.update(dict.fromkeys(rids, len(prompt_ids)))
+
     def abort_request(self, rid):
         self.aborted.append(rid)
 
@@ -433,6 +438,16 @@ def test_owner_drains_submissions_and_aborts():
     (rejected,) = owner._drain()
     assert (rejected.request_id, rejected.status, rejected.message) == ("2", 400, "the prompt is empty")
     assert owner.engine.requests == {"1": 2} and owner.engine.aborted == ["1"] and not owner.payloads
+
+
+def test_owner_queues_a_prompts_choices_together_or_refuses_them_all():
+    owner, _ = make_owner()
+    owner.payloads.update({3: ([4, 5], [SamplingParams()] * 2), 7: ([], [SamplingParams()] * 3)})
+    for record in ((SUBMIT, 3), (SUBMIT, 7)):
+        owner.ring.push(*record)
+    rejected = owner._drain()  # the choices of one record take consecutive keys
+    assert [(r.request_id, r.status) for r in rejected] == [("7", 400), ("8", 400), ("9", 400)]
+    assert owner.engine.requests == {"3": 2, "4": 2} and owner._live == {"3": 2, "4": 2}
 
 
 def test_owner_step_failure_recovers_then_goes_out_of_service():

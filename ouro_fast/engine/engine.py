@@ -37,10 +37,10 @@ from .detokenizer import IncrementalDetokenizer
 from .faults import FaultInjector, parse_faults
 from .logits_processors import LogitsProcessors
 from .outputs import StepOutput, StepStats
-from .plan import StepPlan, StepResult, TokenEvents
+from .plan import StepPlan, StepResult, TokenEvents, TokenLogprobs
 from .reference_runner import ReferenceRunner
 from .sampling import SamplingParams
-from .scheduler import WAITING, Scheduler
+from .scheduler import FREE, WAITING, Scheduler
 from .structured import Grammars
 
 logger = logging.getLogger("ouro_fast")
@@ -101,6 +101,8 @@ class Engine:
         self.faults = self._build_faults()
         self.requests: dict[str, Request] = {}
         self.by_rid: dict[int, Request] = {}
+        # Live shared-prompt prefixes (scheduler rids): the requests that take their prompt logprobs.
+        self.prefixes: dict[int, list[Request]] = {}
         self.pending: list[
             StepOutput
         ] = []  # outputs not handed out yet: the next step() or abort_all() returns them
@@ -194,7 +196,70 @@ class Engine:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None
     ) -> None:
         """Queue a request. Raises ValueError (a client error) or OverflowError (queue full)."""
-        params = params or SamplingParams()
+        self._queue(request_id, prompt_ids, params or SamplingParams())
+
+    def add_requests(
+        self, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams]
+    ) -> None:
+        """Queue requests of one prompt (a request's n choices) that share its KV: the prompt's whole
+        blocks before its last token are computed once, each request computes the rest and samples on
+        its own. All or none: ValueError (a client error) or OverflowError (queue full) queues nothing."""
+        if len(params) != len(request_ids) or len(set(request_ids)) != len(request_ids):
+            raise ValueError("add_requests takes distinct request ids, one SamplingParams each")
+        for p in params:
+            p.validate(self.num_loops)
+            self._check_prompt(prompt_ids, p)
+        shared = self._shared_len(prompt_ids) if len(request_ids) > 1 else 0
+        prefix, added = -1, []
+        try:
+            if shared:
+                prefix = self._add_prefix(prompt_ids, shared, params)
+            for request_id, p in zip(request_ids, params):
+                added.append(self._queue(request_id, prompt_ids, p, prefix))
+        except Exception:
+            if prefix >= 0:
+                self.scheduler.finish(prefix)  # its requests would compute alone: they end below
+                self._forget_prefix(prefix)
+            for req in added:
+                self._finish(req, "abort")
+            raise
+        if prefix >= 0:
+            self.prefixes[prefix] += [r for r in added if r.params.prompt_logprobs is not None]
+
+    def _shared_len(self, prompt_ids: list[int]) -> int:
+        """Tokens of a prompt that requests may share: whole blocks, short of its last token."""
+        return (len(prompt_ids) - 1) // self.config.block_size * self.config.block_size
+
+    def _add_prefix(self, prompt_ids: list[int], shared: int, params: list[SamplingParams]) -> int:
+        """The scheduler's prefix request of a shared prompt; it computes the prompt logprobs its
+        first `shared` positions give, for every request that asks for them."""
+        prefix = self.scheduler.add_prefix(np.asarray(prompt_ids[:shared], dtype=np.int32))
+        self._forget_prefix(prefix)
+        wanted = [p.prompt_logprobs for p in params if p.prompt_logprobs is not None]
+        s = self.scheduler.sampling
+        s.prompt_logprobs[prefix] = max(wanted, default=-1)
+        s.prompt_done[prefix] = 0
+        if wanted:
+            s.prompts[prefix] = np.asarray(prompt_ids, np.int32)
+        self.prefixes[prefix] = []
+        if self.ahead is not None and self.ahead.active:
+            self.ahead.arrive(prefix)  # held until the device's run hands the batch back
+        return prefix
+
+    def _forget_ended_prefixes(self) -> None:
+        for rid in [p for p in self.prefixes if self.scheduler.core.status(p) == FREE]:
+            self._forget_prefix(rid)
+
+    def _forget_prefix(self, rid: int) -> None:
+        """A prefix rid is gone (or taken again): drop what the engine kept for it."""
+        if self.prefixes.pop(rid, None) is not None:
+            self.scheduler.sampling.prompts.pop(rid, None)
+            self.scheduler.sampling.prompt_logprobs[rid] = -1
+
+    def _queue(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefix: int = -1
+    ) -> Request:
+        """Register and queue one request (on a shared prompt's prefix rid, if not -1); returns it."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate(self.num_loops)
@@ -210,8 +275,11 @@ class Engine:
         eos = frozenset() if params.ignore_eos else self.eos_ids
         req = Request(request_id, -1, list(prompt_ids), params, eos | frozenset(params.stop_token_ids))
         req.exit_window = (lo - 1, hi - 1, log_one_minus(q))
-        rid = self.scheduler.add(np.asarray(prompt_ids, dtype=np.int32), cap, lo, hi, req.exit_window[2])
+        rid = self.scheduler.add(
+            np.asarray(prompt_ids, dtype=np.int32), cap, lo, hi, req.exit_window[2], prefix
+        )
         req.rid = rid
+        self._forget_prefix(rid)
         try:
             s = self.scheduler.sampling
             s.temperature[rid], s.top_p[rid] = params.temperature, params.top_p
@@ -221,7 +289,7 @@ class Engine:
             s.logprobs[rid] = -1 if params.logprobs is None else params.logprobs
             s.min_p[rid] = params.min_p
             s.prompt_logprobs[rid] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
-            s.prompt_done[rid] = 0
+            s.prompt_done[rid] = 0 if prefix < 0 else self._shared_len(prompt_ids)  # the prefix reports those
             if params.prompt_logprobs is not None:
                 s.prompts[rid] = np.asarray(req.prompt_ids, np.int32)
             s.processors.add(rid, params, req.prompt_ids, req.output_ids, req.eos_ids)
@@ -236,8 +304,9 @@ class Engine:
         self.by_rid[rid] = req
         if self.config.queue_timeout is not None:
             self.unstarted[request_id] = req.arrival
-        if self.ahead is not None and self.ahead.active:
+        if prefix < 0 and self.ahead is not None and self.ahead.active:
             self.ahead.arrive(rid)  # the device runs ahead of the scheduler: it picks the launch
+        return req
 
     def _grammars(self) -> Grammars:
         """Structured output's state, built by the first request that asks for it (importing xgrammar takes
@@ -366,9 +435,12 @@ class Engine:
         t0 = time.perf_counter()
         failed = self.scheduler.sampling.processors.take_failed()  # rid -> why its sampling state failed
         for rid, entries in (result.prompt_logprobs or {}).items():
-            self.by_rid[rid].prompt_logprobs.extend(lp for _, lp in entries)
+            sharers = self.prefixes.get(rid)
+            for req in (self.by_rid[rid],) if sharers is None else sharers:
+                req.prompt_logprobs.extend(_top(lp, req.params.prompt_logprobs) for _, lp in entries)
         self._fire("update", plan.rid)
         events = self.scheduler.update(result)
+        self._forget_ended_prefixes()  # computed: their requests hold their blocks
         t1 = time.perf_counter()
         self._outputs(events, plan, result, failed)
         self.stats.record(plan, events, self.scheduler, host_s + t1 - t0, model_s, time.perf_counter() - t1)
@@ -455,6 +527,8 @@ class Engine:
         state, forgets it, and returns its final output. Once it has freed the KV it cannot raise: a
         failing flush or output makes the final an error."""
         self._forget_rid(req.rid, detok=False)  # its text is flushed next
+        if self.prefixes:
+            self._forget_ended_prefixes()  # a prefix ends with the last request on it
         try:
             delta += self.detok.finish(req.rid)
             if reason == "length" and self.detok.stopped(req.rid):
@@ -508,3 +582,11 @@ def _error_final(req: Request, error: str) -> StepOutput:
     """A final that building cannot fail: no text, no logprobs."""
     n_prompt, n_out = len(req.prompt_ids), len(req.output_ids)
     return StepOutput(req.request_id, [], "", True, "error", n_prompt, n_out, [], error)
+
+
+def _top(lp: TokenLogprobs, k: int) -> TokenLogprobs:
+    """A prompt token's log-probabilities with only the k likeliest others (a shared prefix computes the most
+    any of its requests asks for)."""
+    if len(lp.top_ids) <= k:
+        return lp
+    return TokenLogprobs(lp.logprob, lp.rank, lp.top_ids[:k], lp.top_logprobs[:k])

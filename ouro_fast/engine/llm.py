@@ -120,10 +120,14 @@ class LLM:
         eng = self.engine
         keys = [f"llm-{next(self._ids)}" for _ in encoded]
         added = []
+        groups: dict[tuple, list[int]] = {}  # identical prompts share their KV: queued together
+        for i, (_, ids) in enumerate(encoded):
+            groups.setdefault(tuple(ids) if all(isinstance(t, int) for t in ids) else i, []).append(i)
         try:
-            for key, (_, ids), p in zip(keys, encoded, params):
-                eng.add_request(key, ids, p)
-                added.append(key)
+            for members in groups.values():
+                ids = encoded[members[0]][1]
+                eng.add_requests([keys[i] for i in members], ids, [params[i] for i in members])
+                added += [keys[i] for i in members]
         except Exception:
             for key in added:  # all or nothing: the requests queued so far leave with the error
                 eng.abort_request(key)

@@ -36,6 +36,8 @@ class StepStats:
     exits: int = 0
     refills: int = 0
     preemptions: int = 0
+    # Tokens of prompt chunks run: a shared prompt's blocks count once; recomputations count again.
+    prefill_tokens: int = 0
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     rows_per_loop: list[int] = field(default_factory=list)  # last step
@@ -43,6 +45,7 @@ class StepStats:
     total_exits: int = 0
     total_refills: int = 0
     total_preemptions: int = 0
+    total_prefill_tokens: int = 0
     exit_depth_histogram: list[int] = field(default_factory=list)  # tokens by loops run (1..T)
     scheduler_seconds: float = 0.0
     model_seconds: float = 0.0
@@ -59,6 +62,8 @@ class StepStats:
         self.steps += 1
         self.rows, self.tokens, self.exits = plan.num_rows, plan.num_tokens, len(events)
         self.refills, self.preemptions = plan.num_refills, plan.num_preempted
+        self.prefill_tokens = plan.num_prefill_tokens
+        self.total_prefill_tokens += plan.num_prefill_tokens
         self.kv_blocks_free = scheduler.num_free_blocks
         self.kv_blocks_used = scheduler.num_blocks - scheduler.num_free_blocks
         per_loop = np.bincount(plan.loop, minlength=self.num_loops)

@@ -96,6 +96,7 @@ class StepPlan:
     # ---- step figures ----
     num_refills: int  # rows that started at loop 0 in this step beside rows still in flight
     num_preempted: int  # requests preempted to make room for this step
+    num_prefill_tokens: int = 0  # tokens of the rows that start a prompt chunk here (recomputations too)
 
     @property
     def num_rows(self) -> int:

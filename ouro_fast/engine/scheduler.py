@@ -15,14 +15,14 @@ from .plan import SamplingTable, StepPlan, StepResult, TokenEvents
 
 try:
     from ..core.block_table import BlockTable
-    from ..core.loop_scheduler import RUNNING, WAITING, LoopScheduler
+    from ..core.loop_scheduler import FREE, RUNNING, WAITING, LoopScheduler
 except ImportError as e:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
         f"ouro_fast's compiled core is missing ({e}). Build it with `pip install .` "
         "(or `python setup.py build_ext --inplace` in a source checkout); a C compiler is required."
     ) from e
 
-__all__ = ["RUNNING", "WAITING", "BlockTable", "LoopScheduler", "Scheduler"]
+__all__ = ["FREE", "RUNNING", "WAITING", "BlockTable", "LoopScheduler", "Scheduler"]
 
 
 class Scheduler:
@@ -51,10 +51,22 @@ class Scheduler:
     # ---- requests ----
 
     def add(
-        self, prompt_ids: np.ndarray, cap_tokens: int, min_loops: int, max_loops: int, log1mq: float
+        self,
+        prompt_ids: np.ndarray,
+        cap_tokens: int,
+        min_loops: int,
+        max_loops: int,
+        log1mq: float,
+        prefix: int = -1,
     ) -> int:
-        """Queue a request; returns its rid. OverflowError when the scheduler holds `capacity` requests."""
-        return self.core.add(prompt_ids, cap_tokens, min_loops, max_loops, log1mq)
+        """Queue a request; returns its rid. OverflowError when the scheduler holds `capacity` requests.
+        `prefix`: an add_prefix() rid whose tokens begin the prompt; the request shares its KV blocks."""
+        return self.core.add(prompt_ids, cap_tokens, min_loops, max_loops, log1mq, prefix)
+
+    def add_prefix(self, prompt_ids: np.ndarray) -> int:
+        """Queue the whole blocks of a prompt that several requests share (computed once, never sampled);
+        returns its rid. It ends by itself: once computed, or when the last request added on it ends."""
+        return self.core.add_prefix(prompt_ids)
 
     def finish(self, rid: int) -> None:
         """Forget a request and free its KV (a no-op when the core already freed it at its length cap)."""
@@ -97,7 +109,7 @@ class Scheduler:
             hidden_src=s.hidden_src[:n], num_carried=s.num_cont_tokens,
             prop_src=s.prop_src[:p], prop_dst=s.prop_dst[:p],
             block_tables=self.blocks.tables, sampling=self.sampling,
-            num_refills=s.num_refills, num_preempted=s.num_preempted,
+            num_refills=s.num_refills, num_preempted=s.num_preempted, num_prefill_tokens=s.num_prefill_tokens,
         )  # fmt: skip
 
     def update(self, result: StepResult) -> TokenEvents:

@@ -239,6 +239,26 @@ class EngineClient:
         self.owner.wake()
         return handle
 
+    def submit_choices(self, prompt_ids: list[int], params: list, transport) -> list[RequestHandle]:
+        """Admit requests of one prompt (a request's choices) as one record, under consecutive keys: the
+        engine queues them together and computes the prompt once for all (429 when full, 503 when not
+        serving)."""
+        self.require_ready()
+        self.require_room(len(params))
+        key, self._next_key = self._next_key, self._next_key + len(params)
+        self.payloads[key] = (prompt_ids, list(params))  # a list: the owner's sign of a shared prompt
+        if not self.ring.push(SUBMIT, key):
+            del self.payloads[key]
+            self.metrics.rejected("overload")
+            raise ApiError(
+                429, "the request ring is full; retry later", code="server_overloaded", retry_after=1
+            )
+        handles = [RequestHandle(key + j, self.config.stream_buffer, transport) for j in range(len(params))]
+        self.handles.update((h.request_id, h) for h in handles)
+        self.metrics.in_flight = len(self.handles)
+        self.owner.wake()
+        return handles
+
     def abort(self, handle: RequestHandle, reason: str) -> None:
         """Tell the engine to drop a request whose client is gone (idempotent; no-op once finished)."""
         if handle.finished or handle.abort_sent:

@@ -1,7 +1,8 @@
 """Serving one completion or chat request: tokenize, submit its choices, then stream or collect the outputs.
 
 A request asks for `n` choices of each of its prompts (completions may send a list of prompts); each choice
-is one engine request, and choice i*n + j is prompt i's j-th. A request that fails before any output
+is one engine request, and choice i*n + j is prompt i's j-th; the choices of one prompt enter the engine
+together and share its KV. A request that fails before any output
 (rejected by the engine, or ended by an engine failure or shutdown) is answered with an HTTP error status;
 a stream that fails after its first chunk gets an error event and is cut (no `[DONE]`), so clients count it
 as failed. A client that disconnects has every choice aborted.
@@ -49,19 +50,30 @@ async def serve(request, client: EngineClient, req: GenerateRequest) -> HTTPResp
 
 
 def _submit(client: EngineClient, request, prompts: list, params: list, n: int) -> list[RequestHandle]:
-    """One engine request per choice, all or none: a refusal aborts the choices already submitted."""
+    """One engine request per choice, all or none: a refusal aborts the choices already submitted.
+    The choices of one prompt (of equal prompts too) enter together: the engine computes it once."""
     client.require_room(len(prompts) * n)
-    handles: list[RequestHandle] = []
+    choices, same = [], {}
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        for j in range(n):
+            # Seeded choices differ from one another, and each is reproducible.
+            choices.append(p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j))
+            same.setdefault(tuple(ids), []).append(i * n + j)
+    handles: list[RequestHandle | None] = [None] * len(choices)
     try:
-        for ids, p in zip(prompts, params):
-            for j in range(n):
-                # Seeded choices differ from one another, and each is reproducible.
-                choice = p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)
-                handles.append(client.submit(ids, choice, request.transport))
+        for members in same.values():
+            ids = prompts[members[0] // n]
+            if len(members) == 1:
+                handles[members[0]] = client.submit(ids, choices[members[0]], request.transport)
+                continue
+            group = client.submit_choices(ids, [choices[c] for c in members], request.transport)
+            for c, handle in zip(members, group):
+                handles[c] = handle
     except ApiError:
         for handle in handles:
-            client.abort(handle, "disconnect")
-            client.release(handle)
+            if handle is not None:
+                client.abort(handle, "disconnect")
+                client.release(handle)
         raise
     return handles
 

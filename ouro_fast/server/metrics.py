@@ -208,6 +208,9 @@ def _engine_counters(eng: EngineSnapshot) -> tuple:
         ("ouro_fast:engine_step_failures_total", "Engine steps that raised.", eng.step_failures),
         ("ouro_fast:refills_total", "Rows that joined a batch at a loop boundary.", eng.refills),
         ("ouro_fast:preemptions_total", "Requests preempted to free KV.", eng.preemptions),
+        ("ouro_fast:prefill_tokens_total",
+         "Prompt tokens computed: a prompt its choices share counts its whole blocks once, recomputations "
+         "after preemption again.", eng.prefill_tokens),
         ("ouro_fast:run_ahead_steps_total",
          "Engine steps launched by run-ahead decode (before the last step's exits were read).",
          eng.run_ahead_steps),

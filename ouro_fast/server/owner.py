@@ -63,6 +63,7 @@ class EngineSnapshot:
     step_failures: int = 0
     refills: int = 0
     preemptions: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (a prompt that choices share counts its blocks once)
     run_ahead_steps: int = 0  # steps the device drove (decode lanes launched before their exits were read)
     run_ahead_runs: int = 0  # times run-ahead started
     run_ahead_riders: int = 0  # prompts that rode in run-ahead lanes (their arrival did not end the run)
@@ -239,7 +240,9 @@ class EngineOwner:
         out: list = []
         while records := self.ring.pop_many(_DRAIN_BATCH):
             for op, key in records:
-                if op == SUBMIT:
+                if op == SUBMIT and isinstance(self.payloads[key][1], list):
+                    out += self._submit_choices(key, self.payloads.pop(key))
+                elif op == SUBMIT:
                     rejected = self._submit(str(key), self.payloads.pop(key))
                     if rejected is not None:
                         out.append(rejected)
@@ -251,20 +254,34 @@ class EngineOwner:
 
     def _submit(self, rid: str, payload: tuple) -> Rejected | None:
         prompt_ids, params = payload
+        refused = self._add([rid], prompt_ids, [params])
+        return refused[0] if refused else None
+
+    def _submit_choices(self, key: int, payload: tuple) -> list[Rejected]:
+        """Requests of one prompt under keys key, key + 1, ...: queued together, sharing the prompt's KV."""
+        prompt_ids, params = payload
+        return self._add([str(key + j) for j in range(len(params))], prompt_ids, params)
+
+    def _add(self, rids: list[str], prompt_ids: list[int], params: list) -> list[Rejected]:
+        """Queue requests of one prompt in the engine, all or none; returns each one's refusal, if refused."""
         if self._broken is not None:
-            return Rejected(rid, 503, f"the engine is out of service: {self._broken}")
+            return [Rejected(rid, 503, f"the engine is out of service: {self._broken}") for rid in rids]
         try:
-            self.engine.add_request(rid, prompt_ids, params)
+            if len(rids) == 1:
+                self.engine.add_request(rids[0], prompt_ids, params[0])
+            else:
+                self.engine.add_requests(rids, prompt_ids, params)
         except ValueError as e:
-            return Rejected(rid, 400, str(e))
+            return [Rejected(rid, 400, str(e)) for rid in rids]
         except OverflowError as e:
-            return Rejected(rid, 429, f"the scheduler is full: {e}")
+            return [Rejected(rid, 429, f"the scheduler is full: {e}") for rid in rids]
         except Exception as e:
             logger.exception("add_request failed")
-            return Rejected(rid, 500, f"the engine could not accept the request: {e}")
-        self._live[rid] = len(prompt_ids)
-        self._owner_fault(params.seed)
-        return None
+            return [Rejected(rid, 500, f"the engine could not accept the request: {e}") for rid in rids]
+        for rid, p in zip(rids, params):
+            self._live[rid] = len(prompt_ids)
+            self._owner_fault(p.seed)
+        return []
 
     def _owner_fault(self, seed: int | None) -> None:
         kind = self.owner_faults.get(seed)
@@ -343,6 +360,7 @@ class EngineOwner:
             kv_blocks_used=pool.num_blocks - pool.num_free_blocks, kv_blocks_total=pool.num_blocks,
             steps=self._steps, step_failures=self._failures,
             refills=stats.total_refills, preemptions=stats.total_preemptions,
+            prefill_tokens=stats.total_prefill_tokens,
             run_ahead_steps=getattr(ahead, "total_launches", 0), run_ahead_runs=getattr(ahead, "runs", 0),
             run_ahead_riders=getattr(ahead, "total_riders", 0),
             run_ahead_exit_steps=getattr(ahead, "exit_launches", 0),

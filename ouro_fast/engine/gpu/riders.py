@@ -184,7 +184,7 @@ class Seating:
             # A newcomer rides only with its whole prompt (not a chunk, not a recomputation).
             n = s.num_tokens(rid)
             whole = plan.loop[k] == 0 and plan.start[k] == 0 and plan.length[k] == n
-            if j < 0 and not (whole and n == len(self.requests[rid].prompt_ids) and self._plain(rid)):
+            if j < 0 and not (whole and self._plain(rid) and n == len(self.requests[rid].prompt_ids)):
                 return None
             rows, tokens = rows + 1, tokens + int(plan.length[k])
         runner = self.runner

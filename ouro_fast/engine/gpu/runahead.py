@@ -98,8 +98,10 @@ class RunAhead(Seating):
 
     def _plain(self, rid: int) -> bool:
         # Sampling the device does alone: greedy or plain temperature, unseeded, few stop ids, no logprobs,
-        # no logits processors, no grammar.
-        req = self.requests[rid]
+        # no logits processors, no grammar. A shared prompt's prefix is not an engine request: it never rides.
+        req = self.requests.get(rid)
+        if req is None:
+            return False
         p = req.params
         plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p == 0)
         processed = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or p.logit_bias
