@@ -94,6 +94,7 @@ async def start_engine(app: Sanic) -> None:
 async def stop_engine(app: Sanic) -> None:
     client = getattr(app.ctx, "client", None)
     if client is not None:
+        await client.drain(app.ctx.config.drain_delay)
         await client.shutdown(app.ctx.config.shutdown_grace)
 
 

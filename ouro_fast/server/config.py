@@ -51,6 +51,8 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
     ring_capacity: int = 4096
+    # Seconds /health answers 503 on SIGTERM while requests are still served: a balancer notices first.
+    drain_delay: float = 5.0
     shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM before abort
     response_timeout: float = 3600.0  # Sanic's RESPONSE_TIMEOUT: silence allowed while queued
     log_level: str = "INFO"  # of the ouro_fast loggers
@@ -127,6 +129,8 @@ class ServerConfig:
         switch = self.gil_switch_ms
         if switch is not None and not 0.01 <= switch <= 1000:
             raise ConfigError(f"{env_name('gil_switch_ms')} must be in [0.01, 1000], got {switch}")
+        if self.drain_delay < 0:
+            raise ConfigError(f"{env_name('drain_delay')} must be >= 0, got {self.drain_delay}")
         if self.shutdown_grace < 0 or self.response_timeout <= 0:
             raise ConfigError(
                 f"{env_name('shutdown_grace')} must be >= 0 and {env_name('response_timeout')} > 0"
@@ -170,6 +174,7 @@ OPTION_HELP = {
     "max_body_bytes": "largest request body accepted (413 beyond)",
     "stream_buffer": "engine steps of output a client may leave unread before its request is aborted",
     "ring_capacity": "records in the submission ring (rounded up to a power of two)",
+    "drain_delay": "seconds /health answers 503 on SIGTERM/SIGINT while requests are still accepted",
     "shutdown_grace": "seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted",
     "response_timeout": "seconds a queued request may wait with no byte sent (Sanic's RESPONSE_TIMEOUT)",
     "log_level": "level of the ouro_fast loggers: DEBUG, INFO, WARNING or ERROR",

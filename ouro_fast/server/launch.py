@@ -28,7 +28,7 @@ def _metavar(f: dataclasses.Field) -> str:
     if "int" in kind:
         return "N"
     if "float" in kind:
-        return "SECONDS" if f.name in ("shutdown_grace", "response_timeout") else "X"
+        return "SECONDS" if f.name in ("drain_delay", "shutdown_grace", "response_timeout") else "X"
     return "NAME" if f.name != "api_key" else "KEY"
 
 
