@@ -169,10 +169,17 @@ class Balancer:
 class Cluster:
     def __init__(self, tmp: Path):
         self.ports = [free_port(), free_port()]
-        self.replicas = [self.start(port) for port in self.ports]
-        self.balancer = Balancer(self.ports, tmp)
-        for i in range(len(self.replicas)):
-            self.balancer.wait_status(f"replica-{i}", "UP")
+        self.replicas: list[ServerProcess] = []
+        self.balancer: Balancer | None = None
+        try:
+            for port in self.ports:
+                self.replicas.append(self.start(port))
+            self.balancer = Balancer(self.ports, tmp)
+            for i in range(len(self.replicas)):
+                self.balancer.wait_status(f"replica-{i}", "UP")
+        except BaseException:
+            self.stop()  # a failed set-up leaves no process behind
+            raise
 
     @staticmethod
     def start(port: int) -> ServerProcess:
@@ -184,7 +191,8 @@ class Cluster:
         self.balancer.wait_status(f"replica-{i}", "UP")
 
     def stop(self) -> None:
-        self.balancer.stop()
+        if self.balancer is not None:
+            self.balancer.stop()
         for srv in self.replicas:
             if srv.proc.poll() is None:
                 srv.proc.send_signal(signal.SIGTERM)
