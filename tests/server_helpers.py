@@ -30,8 +30,9 @@ def free_port() -> int:
 class ServerProcess:
     """A server started as a subprocess in its own process group; stop() always ends it."""
 
-    def __init__(self, mode: str, env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
-        self.port = free_port()
+    def __init__(self, mode: str, env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                 port: int | None = None):  # fmt: skip
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if mode == "cli":
             argv = [str(BIN / "ouro-fast"), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
@@ -45,7 +46,9 @@ class ServerProcess:
                 str(self.port),
             ]
             argv += ["--single-process"] if mode == "single" else []
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        # No drain delay unless a test asks for one: no balancer watches these servers' /health.
+        quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "OURO_FAST_DRAIN_DELAY": "0"}
+        full_env = {**os.environ, **quiet, **(env or {})}
         fd, self.log_path = tempfile.mkstemp(prefix="ouro-server-", suffix=".log")
         self._log_text: str | None = None
         try:

@@ -16,6 +16,8 @@ from ouro_fast import cli
 from tests.server_helpers import ServerProcess, bench_stream
 
 GRACE_S = 4.0
+DRAIN_S = 3.0
+LONG_TOKENS = 1500
 MODEL = "ouro-tiny-random"
 
 
@@ -26,6 +28,7 @@ def test_bad_configuration_exits_2(tmp_path, capsys):
             (["--model", str(tmp_path)], {}, "not a checkpoint directory"),
             ([], {"OURO_FAST_MAX_NUM_SEQS": "many"}, "OURO_FAST_MAX_NUM_SEQS"),
             (["--shutdown-grace", "-1"], {}, "--shutdown-grace must be >= 0"),  # the flag given is named
+            (["--drain-delay", "-1"], {}, "--drain-delay must be >= 0"),
             (["--dtype", "foo"], {}, "--dtype must be one of auto"),
             (["--device", "gpu"], {}, "--device must be auto, cpu, cuda or cuda:N"),
             (["--stall-limit", "0"], {}, "--stall-limit must be > 0"),
@@ -106,6 +109,51 @@ def test_sigterm_with_open_streams():
     log = srv.log()
     assert "aborting 1 requests still in flight" in log and "the engine owner thread has ended" in log
     assert "Traceback" not in log
+
+
+def test_sigterm_drains_before_admission_stops():
+    """On SIGTERM /health turns 503 at once while requests are still served for the drain delay (the
+    balancer's health check notices first); then admission stops with 503 + Retry-After, a stream
+    started before the signal runs to its end, and the process exits 0."""
+    env = {"OURO_FAST_DRAIN_DELAY": str(DRAIN_S), "OURO_FAST_SHUTDOWN_GRACE": "120"}
+    srv = ServerProcess("cli", env)
+    url = srv.url + "/v1/completions"
+    late = {"model": MODEL, "prompt": "late", "max_tokens": 2}
+    try:
+        srv.wait_ready()
+        started, result = threading.Event(), {}
+
+        def run() -> None:
+            # All 4 loops per token: it outlives the drain delay, and finishes well within the grace.
+            body = {"model": MODEL, "prompt": "long", "max_tokens": LONG_TOKENS, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            result["long"] = bench_stream(url, body, on_first_chunk=started.set)
+
+        stream = threading.Thread(target=run)
+        stream.start()
+        assert started.wait(60)
+        srv.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        health = httpx.get(srv.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json() == {"status": "draining"}, health.text
+        assert health.headers["Retry-After"] == "1"
+        during = httpx.post(url, json=late, timeout=30)
+        assert during.status_code == 200, during.text
+        assert time.monotonic() - signalled < DRAIN_S, "the drain delay ended before its checks ran"
+        while (after := httpx.post(url, json=late, timeout=30)).status_code == 200:
+            assert time.monotonic() - signalled < DRAIN_S + 30, "admission never stopped"
+            time.sleep(0.1)
+        assert after.status_code == 503 and after.headers["Retry-After"] == "1", after.text
+        assert stream.is_alive(), "the stream ended before admission stopped: it tests nothing"
+        stream.join(120)
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.stop()
+    long = result["long"]
+    assert long.done and long.error is None
+    assert long.text_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert long.usage["completion_tokens"] == LONG_TOKENS
+    assert "Traceback" not in srv.log()
 
 
 def test_make_checkpoint_does_not_import_the_server():

@@ -112,6 +112,7 @@ def bound_connections(app: Sanic, config: ServerConfig) -> None:
 async def stop_engine(app: Sanic) -> None:
     client = getattr(app.ctx, "client", None)
     if client is not None:
+        await client.drain(app.ctx.config.drain_delay)
         await client.shutdown(app.ctx.config.shutdown_grace)
 
 

@@ -53,6 +53,8 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     stream_buffer: int = 1024  # engine steps of output one request may have unsent before it is aborted
     ring_capacity: int = 4096
+    # Seconds /health answers 503 on SIGTERM while requests are still served: a balancer notices first.
+    drain_delay: float = 5.0
     shutdown_grace: float = 10.0  # seconds in-flight requests get to finish on SIGTERM before abort
     queue_timeout: float = 3600.0  # seconds a request may wait unscheduled; then 503 (running ones: never)
     # Connection bounds (server/connections.py); defaults between uvicorn's, Sanic's and nginx's.
@@ -164,6 +166,8 @@ class ServerConfig:
         switch = self.gil_switch_ms
         if switch is not None and not 0.01 <= switch <= 1000:
             raise ConfigError(f"{env_name('gil_switch_ms')} must be in [0.01, 1000], got {switch}")
+        if self.drain_delay < 0:
+            raise ConfigError(f"{env_name('drain_delay')} must be >= 0, got {self.drain_delay}")
         if self.stall_limit <= 0:
             raise ConfigError(f"{env_name('stall_limit')} must be > 0, got {self.stall_limit}")
         for name in ("max_connections", "header_timeout", "body_timeout", "keep_alive_timeout"):
@@ -231,6 +235,7 @@ OPTION_HELP = {
     "max_body_bytes": "largest request body accepted (413 beyond)",
     "stream_buffer": "engine steps of output a client may leave unread before its request is aborted",
     "ring_capacity": "records in the submission ring (rounded up to a power of two)",
+    "drain_delay": "seconds /health answers 503 on SIGTERM/SIGINT while requests are still accepted",
     "shutdown_grace": "seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted",
     "queue_timeout": "seconds a request may wait before the engine schedules it (then 503); "
     "a running request is never cut",

@@ -84,7 +84,7 @@ class EngineClient:
         self.metrics = ServerMetrics(config.metrics_model_name)
         self.info: ModelInfo | None = None
         self.tokenizer = None
-        self.state = "loading"  # loading -> ready -> stopping; or failed
+        self.state = "loading"  # loading -> ready -> draining -> stopping; or failed
         self.error: str | None = None
         self.launch_epoch: float | None = None
         self._next_key = 1
@@ -140,16 +140,22 @@ class EngineClient:
 
     @property
     def healthy(self) -> bool:
+        """Ready for new traffic: what /health reports to a load balancer."""
         return self.state == "ready" and self.metrics.engine.broken is None
 
+    @property
+    def serving(self) -> bool:
+        """Admitting requests: while ready, and while draining after SIGTERM."""
+        return self.state in ("ready", "draining") and self.metrics.engine.broken is None
+
     def status(self) -> str:
-        if self.state == "ready" and self.metrics.engine.broken is not None:
+        if self.state in ("ready", "draining") and self.metrics.engine.broken is not None:
             return "out of service: " + self.metrics.engine.broken
         return self.state if self.error is None else f"{self.state}: {self.error}"
 
     def require_ready(self) -> ModelInfo:
-        """The model info, or a 503 while loading, after a failure and during shutdown."""
-        if not self.healthy:
+        """The model info, or a 503 while loading, after a failure and once draining has ended."""
+        if not self.serving:
             raise ApiError(503, f"the server is not ready ({self.status()})", code="not_ready", retry_after=1)
         return self.info
 
@@ -359,9 +365,17 @@ class EngineClient:
 
     # ---- shutdown -----------------------------------------------------------------
 
+    async def drain(self, delay: float) -> None:
+        """/health turns 503 while requests are still admitted for `delay` seconds (a ready server only)."""
+        if self.state != "ready" or delay <= 0:
+            return
+        self.state = "draining"
+        logger.info("shutdown: /health answers 503; still admitting requests for %.1fs", delay)
+        await asyncio.sleep(delay)
+
     async def shutdown(self, grace: float, join_timeout: float = 30.0) -> None:
         """Stop admitting; let requests finish for `grace` seconds; abort the rest; join the owner."""
-        if self.state in ("loading", "ready"):
+        if self.state in ("loading", "ready", "draining"):
             self.state = "stopping"
         deadline = self.loop.time() + grace
         while self.handles and self.loop.time() < deadline:

@@ -29,7 +29,7 @@ def _metavar(f: dataclasses.Field) -> str:
     if "int" in kind:
         return "N"
     if "float" in kind:
-        seconds = f.name in ("shutdown_grace", "stall_limit") or f.name.endswith("_timeout")
+        seconds = f.name in ("drain_delay", "shutdown_grace", "stall_limit") or f.name.endswith("_timeout")
         return "SECONDS" if seconds else "X"
     return "NAME" if f.name != "api_key" else "KEY"
 
