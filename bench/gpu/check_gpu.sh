@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one device call (about 6-8 minutes): install the carried wheels, build the
-# project, run the GPU tests (kernels vs PyTorch, the Triton runner vs the torch runner), then
+# project, run the GPU tests (kernels vs PyTorch, the Triton runner vs the torch runner, grammar masks on
+# the device), then
 # bench/gpu/engine_probe.py once per probe setting (by default: run-ahead as served, and off), so the
 # step times can be compared on one machine in one call.
 #
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/../.."
 export OUT=${OUT:-bench/results/check-gpu-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/check_gpu.log") 2>&1
-TESTS=${TESTS:-tests/test_kernels.py tests/test_decode_attention.py tests/test_skinny_gemm.py tests/test_tc_gemm.py tests/test_exit_gate.py tests/test_sample_kernel.py tests/test_precompile.py tests/test_gpu_runner.py tests/test_runahead.py}
+TESTS=${TESTS:-tests/test_kernels.py tests/test_decode_attention.py tests/test_skinny_gemm.py tests/test_tc_gemm.py tests/test_exit_gate.py tests/test_sample_kernel.py tests/test_precompile.py tests/test_gpu_runner.py tests/test_runahead.py tests/test_structured.py}
 PROBES=${PROBES:-ahead noahead}
 echo "start $(date -u +%FT%TZ); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 if [ -z "${SKIP_SETUP:-}" ]; then
