@@ -374,6 +374,7 @@ class LoopScheduler:
             if num_blocks:
                 self._shared[rid] = self.bt.hold(self._kv_slot[prefix], num_blocks)
                 self._num_done[rid] = num_blocks * self.bt._block_size
+                self._cached[rid] = self._cached[prefix]  # what its prompt reused, through the prefix
             self._prefix_of[rid] = -1
             self._status[rid] = WAITING
             self._num_waiting -= 1
@@ -680,7 +681,6 @@ class LoopScheduler:
             return False
         self.bt.adopt(slot, shared)
         self._shared[rid] = None
-        self._cached[rid] = 0
         return self.bt.allocate(slot, end)
 
     def _register(self, rid: cython.int) -> cython.int:

@@ -127,8 +127,9 @@ def test_choices_of_a_cached_prompt_reuse_it(model_dir):
     finals = drain(eng)
     want = one_by_one(engine(model_dir, enable_prefix_caching=False), [SYSTEM + [7, 8, 9]], params(0.5))[0]
     assert tokens([finals["a"], finals["b"]]) == tokens([want, want])
-    # The prefix request took the system prompt's first two blocks from the cache and computed the third.
-    assert eng.stats.prefix_cache_hits == 32 + 0 + 0
+    # The prefix request took the system prompt's first two blocks from the cache and computed the third;
+    # each choice reports what its prompt reused.
+    assert eng.stats.prefix_cache_hits == 32 and finals["a"].cached_tokens == finals["b"].cached_tokens == 32
 
 
 def test_prefix_caching_off_reuses_nothing(model_dir):
