@@ -756,7 +756,9 @@ class LoopScheduler:
                 if self._status[rid] == FREE:
                     continue
             self._advance_row(rid)
-            if self._row_loop[rid] < 0 and self._hashes[rid] is not None:
+            # A row that computed prompt positions ended: its whole prompt blocks may join the cache.
+            ended: cython.bint = self._row_loop[rid] < 0 and self._row_start[rid] < self._num_prompt[rid]
+            if ended and self._hashes[rid] is not None:
                 self._register(rid)
             if (
                 self._is_prefix[rid]
