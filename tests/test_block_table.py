@@ -227,13 +227,15 @@ def make_machine(
             assert (bt.refs == before_refs).all() and bt.num_free_blocks == before_free
 
         @precondition(lambda self: caching and not all(self.model))
-        @rule(data=st.data(), which=st.integers(0, 2), limit=st.integers(0, max_bps))
-        def lookup(self, data, which, limit):
+        @rule(data=st.data(), which=st.integers(0, 2), limit=st.integers(0, max_bps), forged=st.booleans())
+        def lookup(self, data, which, limit, forged):
             bt = self.bt
             slot = data.draw(st.sampled_from([s for s in range(max_seqs) if not self.model[s]]))
             tokens = prompts[which]
+            # Forged: another prompt's hashes, as a collision would give; the tokens still decide.
+            keyed = prompts[(which + 1) % 3] if forged else tokens
             before_refs, before_free = bt.refs.copy(), bt.num_free_blocks
-            k = bt.lookup(slot, bt.hash_blocks(tokens, len(tokens)), tokens, limit)
+            k = bt.lookup(slot, bt.hash_blocks(keyed, len(keyed)), tokens, limit)
             assert 0 <= k <= limit
             self.model[slot], self.prompt[slot] = k, which
             got = bt.tables[slot, :, :k]
