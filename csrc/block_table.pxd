@@ -31,6 +31,27 @@ cdef class BlockTable:
     cdef int[::1] _counts
     cdef object _tables_arr
     cdef object _counts_arr
+    # The prefix cache. An entry is one position block of a prompt at every loop, named by its loop-0
+    # block e: _eblk[e] its planes, _etok[e] its tokens, _eparent[e] and _epgen[e] the entry (and that
+    # entry's generation) of the block before it, _ekey[e] its chain hash, _egen[e] bumped per entry.
+    # _entry[b]: the entry block b belongs to, -1 if uncached. Unheld entries wait in an LRU list
+    # (_lru_prev/_lru_next, oldest at _lru_head) and count as free: _num_cached_free of their blocks.
+    cdef bint _caching
+    cdef Py_ssize_t _num_cached_free
+    cdef Py_ssize_t _num_cached
+    cdef int[::1] _entry
+    cdef object _entry_arr
+    cdef int[:, ::1] _eblk
+    cdef int[:, ::1] _etok
+    cdef int[::1] _eparent
+    cdef int[::1] _epgen
+    cdef int[::1] _egen
+    cdef long long[::1] _ekey
+    cdef int[::1] _lru_prev
+    cdef int[::1] _lru_next
+    cdef int _lru_head
+    cdef int _lru_tail
+    cdef dict _index
 
     # Validation raises ValueError: -1 signals it to C callers.
     cdef inline int _check_slot(self, Py_ssize_t slot) except -1
@@ -42,3 +63,6 @@ cdef class BlockTable:
     cdef void _take_blocks(self, Py_ssize_t slot, Py_ssize_t have, Py_ssize_t need) noexcept nogil
     cdef void _return_blocks(self, Py_ssize_t slot) noexcept nogil
     cdef void _drop(self, int block) noexcept nogil
+    cdef void _evict(self) noexcept nogil
+    cdef void _lru_unlink(self, int e) noexcept nogil
+    cdef int _entry_at(self, object key, Py_ssize_t i, int prev, const int[:] tokens) except -2

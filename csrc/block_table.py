@@ -17,6 +17,14 @@ hold to an empty slot's table). `refs[b]` counts them; the block returns to the
 pool when its last holder lets it go. Holders of a shared block only read it:
 the scheduler shares only blocks whose every position is computed.
 
+Prefix cache (caching=True): cache() registers a slot's full, computed blocks as
+entries keyed by a chain hash (hash_blocks: each block's hash covers its
+parent's hash and its tokens); an entry is a position block at EVERY loop.
+lookup() gives an empty slot the longest chain of entries that matches its
+hashes, checking each entry's tokens and parent so a hash collision is a miss.
+An entry whose last holder lets go stays cached and counts as free; the pool
+evicts the least recently released entry only when it needs a block.
+
 Compiled as ouro_fast.core.block_table; importable uncompiled as
 ouro_fast.core_py.block_table (the twin, same behaviour).
 """
@@ -45,6 +53,7 @@ class BlockTable:
         num_loops: cython.Py_ssize_t,
         max_seqs: cython.Py_ssize_t,
         max_blocks_per_seq: cython.Py_ssize_t,
+        caching: bool = False,
     ):
         if num_blocks < 0 or block_size < 1 or num_loops < 1 or max_seqs < 1 or max_blocks_per_seq < 1:
             raise ValueError(
@@ -67,6 +76,19 @@ class BlockTable:
         self._num_free = num_blocks
         self._refs_arr = np.zeros(num_blocks, dtype=np.int32)
         self._refs = self._refs_arr
+        self._caching = caching
+        self._num_cached_free = 0
+        self._num_cached = 0
+        self._entry_arr = np.full(num_blocks, -1, dtype=np.int32)
+        self._entry = self._entry_arr
+        entries = num_blocks if caching else 0  # entry tables only where the cache is on
+        self._eblk = np.zeros((entries, num_loops), dtype=np.int32)
+        self._etok = np.zeros((entries, block_size), dtype=np.int32)
+        self._eparent, self._epgen = np.zeros(entries, np.int32), np.zeros(entries, np.int32)
+        self._egen, self._ekey = np.zeros(entries, np.int32), np.zeros(entries, np.int64)
+        self._lru_prev, self._lru_next = np.full(entries, -1, np.int32), np.full(entries, -1, np.int32)
+        self._lru_head = self._lru_tail = -1
+        self._index = {}
 
     @property
     def tables(self):
@@ -85,7 +107,22 @@ class BlockTable:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._num_free
+        """Blocks no holder has: the free ones and the unheld cached ones (evicted on demand)."""
+        return self._num_free + self._num_cached_free
+
+    @property
+    def caching(self) -> bool:
+        return self._caching
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks of cache entries, held or not."""
+        return self._num_cached
+
+    @property
+    def cached(self):
+        """int32 [num_blocks], the live array: each block's entry (its loop-0 block), -1 if uncached."""
+        return self._entry_arr
 
     @property
     def num_blocks(self) -> int:
@@ -148,7 +185,7 @@ class BlockTable:
         have = cython.cast(cython.Py_ssize_t, self._counts[slot])
         if need <= have:
             return True
-        if (need - have) * self._num_loops > self._num_free:
+        if (need - have) * self._num_loops > self._num_free + self._num_cached_free:
             return False
         self._take_blocks(slot, have, need)
         return True
@@ -166,6 +203,8 @@ class BlockTable:
         t: cython.Py_ssize_t
         for i in range(have, need):
             for t in range(self._num_loops):
+                if self._num_free == 0:
+                    self._evict()
                 self._num_free -= 1
                 self._tables[slot, t, i] = self._free[self._num_free]
                 self._refs[self._free[self._num_free]] = 1
@@ -189,11 +228,186 @@ class BlockTable:
 
     @cython.initializedcheck(False)
     def _drop(self, block: cython.int) -> None:
-        """One holder of a block lets go; the last one returns it to the pool."""
+        """One holder of a block lets go; the last one returns it to the pool (to the LRU list if cached)."""
+        e: cython.int = self._entry[block]
         self._refs[block] -= 1
-        if self._refs[block] == 0:
+        if self._refs[block] != 0:
+            return
+        if e < 0:
             self._free[self._num_free] = block
             self._num_free += 1
+            return
+        self._num_cached_free += 1
+        if e == block:  # the entry's loop-0 block names it in the LRU list, newest at the tail
+            self._lru_prev[e] = self._lru_tail
+            self._lru_next[e] = -1
+            if self._lru_tail >= 0:
+                self._lru_next[self._lru_tail] = e
+            else:
+                self._lru_head = e
+            self._lru_tail = e
+
+    @cython.initializedcheck(False)
+    def _lru_unlink(self, e: cython.int) -> None:
+        if self._lru_prev[e] >= 0:
+            self._lru_next[self._lru_prev[e]] = self._lru_next[e]
+        else:
+            self._lru_head = self._lru_next[e]
+        if self._lru_next[e] >= 0:
+            self._lru_prev[self._lru_next[e]] = self._lru_prev[e]
+        else:
+            self._lru_tail = self._lru_prev[e]
+        self._lru_prev[e] = self._lru_next[e] = -1
+
+    @cython.initializedcheck(False)
+    def _evict(self) -> None:
+        """Return the least recently released unheld entry's blocks to the pool (its index key goes stale:
+        lookups check _entry, and the next entry of its block replaces the key)."""
+        t: cython.Py_ssize_t
+        b: cython.int
+        e: cython.int = self._lru_head
+        self._lru_unlink(e)
+        for t in range(self._num_loops):
+            b = self._eblk[e, t]
+            self._entry[b] = -1
+            self._free[self._num_free] = b
+            self._num_free += 1
+        self._num_cached_free -= self._num_loops
+        self._num_cached -= self._num_loops
+
+    def hash_blocks(self, tokens, num_tokens: cython.Py_ssize_t):
+        """int64 chain hashes of the full blocks of tokens[:num_tokens]: block i's covers block i-1's hash
+        and its own tokens, so equal hashes mean equal prefixes (up to collisions, which lookup checks)."""
+        i: cython.Py_ssize_t
+        n: cython.Py_ssize_t = num_tokens // self._block_size
+        step: cython.Py_ssize_t = self._block_size * 4
+        out = np.empty(n, dtype=np.int64)
+        raw = np.ascontiguousarray(tokens[: n * self._block_size], dtype=np.int32).tobytes()
+        h = 0
+        for i in range(n):
+            h = hash((h, raw[i * step : (i + 1) * step]))
+            out[i] = h
+        return out
+
+    @cython.initializedcheck(False)
+    def _entry_at(
+        self, key, i: cython.Py_ssize_t, prev: cython.int, tokens: cython.const[cython.int][:]
+    ) -> cython.int:
+        """The live entry of `key` for position block i after entry `prev` (-1 before the first), holding
+        exactly tokens[i*bs:(i+1)*bs]; -1 if none (a miss, a stale key or a collision)."""
+        k: cython.Py_ssize_t
+        bs: cython.Py_ssize_t = self._block_size
+        found = self._index.get(key)
+        if found is None:
+            return -1
+        e: cython.int = found
+        if self._entry[e] != e or self._ekey[e] != key or self._eparent[e] != prev:
+            return -1
+        if prev >= 0 and self._epgen[e] != self._egen[prev]:
+            return -1
+        for k in range(bs):
+            if self._etok[e, k] != tokens[i * bs + k]:
+                return -1
+        return e
+
+    @cython.initializedcheck(False)
+    def lookup(
+        self,
+        slot: cython.Py_ssize_t,
+        hashes: cython.const[cython.longlong][:],
+        tokens: cython.const[cython.int][:],
+        max_blocks: cython.Py_ssize_t,
+    ) -> int:
+        """An empty slot takes the longest run (at most max_blocks) of cache entries matching hashes
+        (hash_blocks of `tokens`) as its first blocks of every loop; returns how many it took."""
+        i: cython.Py_ssize_t
+        t: cython.Py_ssize_t
+        b: cython.int
+        e: cython.int
+        prev: cython.int = -1
+        n: cython.Py_ssize_t = max_blocks
+        self._check_slot(slot)
+        if self._counts[slot] != 0:
+            raise ValueError(f"slot {slot} already holds blocks")
+        if n > hashes.shape[0]:
+            n = hashes.shape[0]
+        if n > self._max_blocks_per_seq:
+            n = self._max_blocks_per_seq
+        if n * self._block_size > tokens.shape[0]:
+            raise ValueError(f"{tokens.shape[0]} tokens do not fill {n} blocks")
+        if not self._caching:
+            return 0
+        for i in range(n):
+            e = self._entry_at(hashes[i], i, prev, tokens)
+            if e < 0:
+                self._counts[slot] = cython.cast(cython.int, i)
+                return i
+            if self._refs[e] == 0:
+                self._lru_unlink(e)
+                self._num_cached_free -= self._num_loops
+            for t in range(self._num_loops):
+                b = self._eblk[e, t]
+                self._refs[b] += 1
+                self._tables[slot, t, i] = b
+            prev = e
+        self._counts[slot] = cython.cast(cython.int, n)
+        return n
+
+    @cython.initializedcheck(False)
+    def cache(
+        self,
+        slot: cython.Py_ssize_t,
+        hashes: cython.const[cython.longlong][:],
+        tokens: cython.const[cython.int][:],
+        first: cython.Py_ssize_t,
+        num_blocks: cython.Py_ssize_t,
+    ) -> int:
+        """Register the slot's blocks first..num_blocks-1, full and computed at every loop, as entries of
+        hashes (hash_blocks of `tokens`); blocks before `first` must be entries already. Stops at a block
+        whose content another entry caches. Returns the count of leading blocks that are entries now."""
+        i: cython.Py_ssize_t
+        t: cython.Py_ssize_t
+        k: cython.Py_ssize_t
+        b: cython.int
+        e: cython.int
+        prev: cython.int = -1
+        bs: cython.Py_ssize_t = self._block_size
+        self._check_slot(slot)
+        if not self._caching:
+            return 0
+        if first < 0 or num_blocks > self._counts[slot] or num_blocks > hashes.shape[0]:
+            raise ValueError(f"slot {slot} holds {self._counts[slot]} blocks per loop, not {num_blocks}")
+        if num_blocks * bs > tokens.shape[0]:
+            raise ValueError(f"{tokens.shape[0]} tokens do not fill {num_blocks} blocks")
+        if first > 0:
+            prev = self._tables[slot, 0, first - 1]
+            if self._entry[prev] != prev:
+                raise ValueError(f"block {first - 1} of slot {slot} is not cached")
+        for i in range(first, num_blocks):
+            e = self._tables[slot, 0, i]
+            if self._entry[e] == e:
+                prev = e  # adopted or looked up: an entry of the same tokens already
+                continue
+            key = hashes[i]
+            old = self._index.get(key)
+            if old is not None and self._entry_at(key, i, prev, tokens) >= 0:
+                return i  # another entry caches this content: the chain stays with it
+            if self._index.get(self._ekey[e]) == e:
+                del self._index[self._ekey[e]]  # the stale key of this block's evicted entry
+            for t in range(self._num_loops):
+                b = self._tables[slot, t, i]
+                self._entry[b] = e
+                self._eblk[e, t] = b
+            for k in range(bs):
+                self._etok[e, k] = tokens[i * bs + k]
+            self._eparent[e] = prev
+            self._epgen[e] = self._egen[prev] if prev >= 0 else 0
+            self._egen[e] += 1
+            self._ekey[e] = key
+            self._index[key] = e
+            self._num_cached += self._num_loops
+            prev = e
+        return num_blocks
 
     @cython.initializedcheck(False)
     def hold(self, slot: cython.Py_ssize_t, num_blocks: cython.Py_ssize_t):

@@ -52,6 +52,13 @@ cdef class LoopScheduler:
     cdef int[::1] _num_children  # a prefix's PARKED requests
     cdef int[::1] _prefix_of  # a PARKED request's prefix rid, else -1
     cdef list _shared  # per rid: the computed prefix's blocks it holds until admitted, else None
+    # The prefix cache (the block table's): chain hashes of each request's full prompt blocks.
+    cdef list _hashes  # per rid: int64 hashes while the block table caches, else None
+    cdef int[::1] _may_hit  # 1: admission may take cache hits (0 for requests that want prompt logprobs)
+    cdef int[::1] _num_reg  # leading blocks of the request's table that are cache entries
+    cdef int[::1] _cached  # prompt tokens its first admission took from the cache, -1 before it
+    cdef readonly long long cache_queries  # known tokens of admissions that looked the cache up
+    cdef readonly long long cache_hits  # tokens those admissions took from the cache
     cdef list _tokens  # per rid: a parked array, or (while it holds a KV slot) a view of its slot's row
     cdef list _depths
     # Tokens and depths of the requests holding KV, one row per slot: the hot paths index these
@@ -141,7 +148,8 @@ cdef class LoopScheduler:
     cdef void _wait_insert(self, int rid) noexcept nogil
     cdef int _new_request(self, object prompt, int cap_tokens) except -1
     cdef int _release_children(self, int prefix, int num_blocks) except -1
-    cdef bint _take_kv(self, int rid, int length) except -1
+    cdef bint _take_kv(self, int rid, int budget) except -1
+    cdef int _register(self, int rid) except -1
     cdef int _release_slot(self, int rid, bint keep) except -1
     cdef int _preempt(self, int rid) except -1
     cdef int _chunk_len(self, int rid, int budget) noexcept nogil

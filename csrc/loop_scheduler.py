@@ -29,6 +29,14 @@ again: every write lands past it, in blocks of the request's own. A prefix ends
 once computed, or when its last parked request ends; ending it early lets its
 requests compute the whole prompt themselves.
 
+Prefix cache (when the block table caches): a request's full prompt blocks are
+hashed once when it is added. Admission takes the longest cached chain of them,
+short of the last prompt token, in every loop plane at once, and starts computing
+after it. A prompt block is registered once its row has run every loop; blocks
+holding generated tokens never are (an early exit leaves propagated copies in the
+deeper planes, which a cold prefill would compute). Run-ahead's admit_now takes no
+hits: a rider computes its whole prompt.
+
 Memory policy: blocks are allocated when a row starts at loop 0 (all loops of
 its positions at once). When the pool runs dry, a request preempts the youngest
 (by arrival) running requests with no row in flight (their blocks freed, recomputed
@@ -112,6 +120,10 @@ class LoopScheduler:
         self._is_prefix, self._num_children = i32(max_requests), i32(max_requests)
         self._prefix_of = np.full(max_requests, -1, dtype=np.int32)
         self._shared = [None] * max_requests
+        self._hashes = [None] * max_requests
+        self._may_hit, self._num_reg = i32(max_requests), i32(max_requests)
+        self._cached = np.full(max_requests, -1, dtype=np.int32)
+        self.cache_queries = self.cache_hits = 0
         self._num_pend = 0
         self._alloc_outputs()
 
@@ -162,10 +174,18 @@ class LoopScheduler:
     # ---- request lifecycle -------------------------------------------------
 
     def add(
-        self, prompt, cap_tokens: int, min_loops: int, max_loops: int, log1mq: float, prefix: int = -1
+        self,
+        prompt,
+        cap_tokens: int,
+        min_loops: int,
+        max_loops: int,
+        log1mq: float,
+        prefix: int = -1,
+        may_hit: bool = True,
     ) -> int:
         """Queue a request; returns its rid. `cap_tokens` = prompt + max new tokens (the finish length).
-        `prefix`: a live add_prefix() rid whose tokens begin the prompt: the request shares its blocks."""
+        `prefix`: a live add_prefix() rid whose tokens begin the prompt: the request shares its blocks.
+        `may_hit`: admission may take prefix-cache hits (False computes every prompt token)."""
         n: cython.int = len(prompt)
         rid: cython.int
         if n < 1 or cap_tokens <= n:
@@ -180,6 +200,7 @@ class LoopScheduler:
                 raise ValueError("the prompt does not extend its prefix request's tokens")
         rid = self._new_request(prompt, cap_tokens)
         self._min_loops[rid], self._max_loops[rid], self._log1mq[rid] = min_loops, max_loops, log1mq
+        self._may_hit[rid] = 1 if may_hit else 0
         if prefix == -1:
             self._status[rid] = WAITING
             self._wait_push(rid, False)
@@ -190,16 +211,17 @@ class LoopScheduler:
             self._num_waiting += 1
         return rid
 
-    def add_prefix(self, prompt) -> int:
+    def add_prefix(self, prompt, may_hit: bool = True) -> int:
         """Queue a prefix request: `prompt` (whole blocks) computed at every loop and never sampled, for the
         requests added with it as their `prefix`; returns its rid. It ends once computed, its blocks
-        passing to them, or when the last of them ends."""
+        passing to them, or when the last of them ends. `may_hit` as for add()."""
         n: cython.int = len(prompt)
         rid: cython.int
         if n < 1 or n % self.bt._block_size:
             raise ValueError(f"a prefix is whole {self.bt._block_size}-token blocks, not {n} tokens")
         rid = self._new_request(prompt, n)
         self._min_loops[rid], self._max_loops[rid], self._log1mq[rid] = self.num_loops, self.num_loops, 0.0
+        self._may_hit[rid] = 1 if may_hit else 0
         self._is_prefix[rid] = 1
         self._status[rid] = WAITING
         self._wait_push(rid, False)
@@ -223,6 +245,9 @@ class LoopScheduler:
         depth = np.zeros(cap_tokens, dtype=np.int8)
         depth[:n] = self.num_loops
         self._tokens[rid], self._depths[rid] = toks, depth
+        self._hashes[rid] = self.bt.hash_blocks(toks, n) if self.bt._caching else None
+        self._num_reg[rid] = 0
+        self._cached[rid] = -1
         self._num_prompt[rid] = n
         self._num_tokens[rid] = n
         self._num_done[rid] = 0
@@ -277,6 +302,17 @@ class LoopScheduler:
         return self._status[rid]
 
     @cython.initializedcheck(True)
+    def kv_epoch(self, rid: int) -> int:
+        """Bumped whenever the request loses its KV (preempted, finished): K/V work queued before is void."""
+        return self._epoch[rid]
+
+    @cython.initializedcheck(True)
+    def cached_tokens(self, rid: int) -> int:
+        """Prompt tokens the request's first admission took from the prefix cache (0 before it); readable
+        after the request ends, until its rid is reused."""
+        return max(self._cached[rid], 0)
+
+    @cython.initializedcheck(True)
     def kv_slot(self, rid: int) -> int:
         """The request's row in the block tables, -1 while it holds no KV."""
         return self._kv_slot[rid]
@@ -324,6 +360,7 @@ class LoopScheduler:
         self._status[rid] = FREE
         self._tokens[rid] = None
         self._depths[rid] = None
+        self._hashes[rid] = None
         self._free_rids[self._num_free_rids] = rid
         self._num_free_rids += 1
         if prefix >= 0 and self._num_children[prefix] == 0:
@@ -337,6 +374,7 @@ class LoopScheduler:
             if num_blocks:
                 self._shared[rid] = self.bt.hold(self._kv_slot[prefix], num_blocks)
                 self._num_done[rid] = num_blocks * self.bt._block_size
+                self._cached[rid] = self._cached[prefix]  # what its prompt reused, through the prefix
             self._prefix_of[rid] = -1
             self._status[rid] = WAITING
             self._num_waiting -= 1
@@ -404,6 +442,7 @@ class LoopScheduler:
         """Free a running request's KV and queue it first for recomputation."""
         self._release_slot(rid, True)
         self._num_done[rid] = 0
+        self._num_reg[rid] = 0
         self._status[rid] = WAITING
         self._wait_push(rid, True)
         self.num_preempted += 1
@@ -597,12 +636,12 @@ class LoopScheduler:
             rid = self._waiting[self._wait_head]
             if self._num_free_slots == 0 or self._held[rid]:
                 break
-            n = self._chunk_len(rid, self.max_tokens - off)
             self._admit(rid)
-            if not self._take_kv(rid, n):
+            if not self._take_kv(rid, self.max_tokens - off):
                 self._release_slot(rid, False)  # nothing was loaded into the slot yet
                 self._status[rid] = WAITING
                 break
+            n = self._chunk_len(rid, self.max_tokens - off)
             self._load_slot(rid)
             self._wait_pop()
             self._num_waiting -= 1
@@ -612,20 +651,49 @@ class LoopScheduler:
         self._off = off
         return r
 
-    def _take_kv(self, rid: cython.int, length: cython.int) -> cython.bint:
-        """Blocks for an admitted request's first `length` uncomputed tokens: its shared blocks and
-        its own. False, taking nothing, when the pool lacks them."""
+    def _take_kv(self, rid: cython.int, budget: cython.int) -> cython.bint:
+        """Blocks for an admitted request's next chunk within `budget` tokens: its shared blocks or cache
+        hits (computed already), then its own. False when the pool lacks them (the caller frees the slot)."""
         slot: cython.int = self._kv_slot[rid]
-        end: cython.int = self._num_done[rid] + length
         bs: cython.int = cython.cast(cython.int, self.bt._block_size)
+        hit: cython.int = 0
+        end: cython.int
+        need: cython.int
+        most: cython.int = (self._num_prompt[rid] - 1) // bs  # hits stop short of the last prompt token
         shared = self._shared[rid]
         if shared is None:
-            return self.bt.allocate(slot, length)
-        if ((end + bs - 1) // bs - shared.shape[1]) * self.num_loops > self.bt._num_free:
+            if self._may_hit[rid] and self._hashes[rid] is not None:
+                hit = self.bt.lookup(slot, self._hashes[rid], self._tokens[rid], most)
+            self._num_done[rid] = hit * bs
+            if not self.bt.allocate(slot, hit * bs + self._chunk_len(rid, budget)):
+                self._num_done[rid] = 0
+                return False
+            if self._hashes[rid] is not None and self._may_hit[rid]:
+                self.cache_queries += self._num_tokens[rid]
+                self.cache_hits += hit * bs
+            if self._cached[rid] < 0:
+                self._cached[rid] = hit * bs
+            self._num_reg[rid] = hit
+            return True
+        end = self._num_done[rid] + self._chunk_len(rid, budget)
+        need = ((end + bs - 1) // bs - shared.shape[1]) * self.num_loops
+        if need > self.bt._num_free + self.bt._num_cached_free:
             return False
         self.bt.adopt(slot, shared)
         self._shared[rid] = None
         return self.bt.allocate(slot, end)
+
+    def _register(self, rid: cython.int) -> cython.int:
+        """Cache the request's prompt blocks that every loop has computed (blocks past the prompt never)."""
+        full: cython.int = self._num_done[rid]
+        if full > self._num_prompt[rid]:
+            full = self._num_prompt[rid]
+        full = full // cython.cast(cython.int, self.bt._block_size)
+        if full > self._num_reg[rid]:
+            self._num_reg[rid] = self.bt.cache(
+                self._kv_slot[rid], self._hashes[rid], self._tokens[rid], self._num_reg[rid], full
+            )
+        return 0
 
     def _wait_pop(self) -> cython.void:
         self._wait_head = (self._wait_head + 1) % self.max_requests
@@ -688,6 +756,10 @@ class LoopScheduler:
                 if self._status[rid] == FREE:
                     continue
             self._advance_row(rid)
+            # A row that computed prompt positions ended: its whole prompt blocks may join the cache.
+            ended: cython.bint = self._row_loop[rid] < 0 and self._row_start[rid] < self._num_prompt[rid]
+            if ended and self._hashes[rid] is not None:
+                self._register(rid)
             if (
                 self._is_prefix[rid]
                 and self._row_loop[rid] < 0

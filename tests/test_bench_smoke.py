@@ -68,6 +68,14 @@ def test_scheduler_bench_drives_both_builds_identically(results):
         assert c["us_per_batch_token"] == pytest.approx(c["us_per_token"] * c["batch"], rel=1e-3)
 
 
+def test_scheduler_bench_times_a_prefix_cache_hit_in_both_builds(results):
+    rows = load(results, "scheduler_cache")
+    assert [r["impl"] for r in rows] == ["compiled", "twin"]
+    for r in rows:
+        assert r["prompt_tokens"] == 4096 and r["hit_blocks"] == 255
+        assert positive(r["lookup_allocate_us"]) and positive(r["free_us"]) and positive(r["hash_us"])
+
+
 def test_block_table_bench_covers_every_operation(results):
     rows = load(results, "block_table")
     ops = {r["op"] for r in rows}

@@ -69,21 +69,54 @@ def all_mappings(bt) -> np.ndarray:
     return np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
 
 
-def make_machine(modname: str, num_blocks: int, block_size: int, num_loops: int, max_seqs: int, max_bps: int):
+def prompts_for(block_size: int, max_bps: int) -> list[np.ndarray]:
+    """Three prompts of max_bps blocks: the first two share their first block, the third shares nothing."""
+    base = np.arange(max_bps * block_size, dtype=np.int32)
+    second = base.copy()
+    second[block_size:] += 1000
+    return [base, second, base + 2000]
+
+
+def make_machine(
+    modname: str,
+    num_blocks: int,
+    block_size: int,
+    num_loops: int,
+    max_seqs: int,
+    max_bps: int,
+    caching: bool = False,
+):
     module = importlib.import_module(modname)
+    prompts = prompts_for(block_size, max_bps)
 
     class BlockTableMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.bt = module.BlockTable(num_blocks, block_size, num_loops, max_seqs, max_bps)
+            self.bt = module.BlockTable(num_blocks, block_size, num_loops, max_seqs, max_bps, caching)
             self.model = [0] * max_seqs  # blocks per loop each slot should hold
             self.holds: list[np.ndarray] = []  # hold() results not yet adopted or released
+            self.hold_prompt: list[int] = []  # the prompt of each hold's blocks
+            self.prompt = [0] * max_seqs  # the prompt whose tokens each slot's blocks hold
+            self.content: dict[int, tuple] = {}  # block -> the token prefix its K/V was written for
 
-        @rule(slot=st.integers(0, max_seqs - 1), num_tokens=st.integers(0, max_bps * block_size + 3))
-        def allocate(self, slot, num_tokens):
+        def write(self, slot, first):
+            """Blocks first.. of the slot are new: their K/V is written for the slot's prompt."""
+            for i in range(first, self.model[slot]):
+                for t in range(num_loops):
+                    b = int(self.bt.tables[slot, t, i])
+                    self.content[b] = (t, tuple(prompts[self.prompt[slot]][: (i + 1) * block_size].tolist()))
+
+        @rule(
+            slot=st.integers(0, max_seqs - 1),
+            num_tokens=st.integers(0, max_bps * block_size + 3),
+            which=st.integers(0, 2),
+        )
+        def allocate(self, slot, num_tokens, which):
             bt = self.bt
             before_tables, before_counts = bt.tables.copy(), bt.num_blocks_of.copy()
-            before_free = bt.num_free_blocks
+            before_free, before_refs = bt.num_free_blocks, bt.refs.copy()
+            if not self.model[slot]:
+                self.prompt[slot] = which
             need_blocks = -(-num_tokens // block_size)
             if need_blocks > max_bps:
                 with pytest.raises(ValueError, match="max_blocks_per_seq"):
@@ -100,6 +133,10 @@ def make_machine(modname: str, num_blocks: int, block_size: int, num_loops: int,
                 held = before_counts[slot]
                 assert (bt.tables[slot, :, :held] == before_tables[slot, :, :held]).all()
                 assert bt.num_free_blocks == before_free - needed
+                # New blocks come from the unheld ones only: a block in use is never evicted or reused.
+                new = bt.tables[slot, :, held : self.model[slot]].ravel()
+                assert (before_refs[new] == 0).all() and (bt.cached[new] == -1).all()
+                self.write(slot, int(held))
             else:
                 assert (bt.tables == before_tables).all() and (bt.num_blocks_of == before_counts).all()
                 assert bt.num_free_blocks == before_free
@@ -127,13 +164,16 @@ def make_machine(modname: str, num_blocks: int, block_size: int, num_loops: int,
             assert (bt.refs[held.ravel()] == before_refs[held.ravel()] + 1).all()
             assert bt.num_free_blocks == before_free
             self.holds.append(held)
+            self.hold_prompt.append(self.prompt[slot])
 
         @precondition(lambda self: bool(self.holds) and not all(self.model))
         @rule(data=st.data())
         def adopt(self, data):
             bt = self.bt
-            held = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
+            k = data.draw(st.integers(0, len(self.holds) - 1))
+            held, which = self.holds.pop(k), self.hold_prompt.pop(k)
             slot = data.draw(st.sampled_from([s for s in range(max_seqs) if not self.model[s]]))
+            self.prompt[slot] = which
             before_refs = bt.refs.copy()
             bt.adopt(slot, held)
             self.model[slot] = held.shape[1]
@@ -144,7 +184,9 @@ def make_machine(modname: str, num_blocks: int, block_size: int, num_loops: int,
         @rule(data=st.data())
         def release(self, data):
             bt = self.bt
-            held = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
+            k = data.draw(st.integers(0, len(self.holds) - 1))
+            held = self.holds.pop(k)
+            self.hold_prompt.pop(k)
             before_free = bt.num_free_blocks
             last_holder = int((bt.refs[held.ravel()] == 1).sum())
             bt.release(held)
@@ -172,10 +214,60 @@ def make_machine(modname: str, num_blocks: int, block_size: int, num_loops: int,
             assert n == len(expected)
             assert list(zip(src[:n].tolist(), dst[:n].tolist())) == expected
 
+        @precondition(lambda self: caching and any(self.model))
+        @rule(data=st.data())
+        def cache(self, data):
+            bt = self.bt
+            slot = data.draw(st.sampled_from([s for s in range(max_seqs) if self.model[s]]))
+            tokens = prompts[self.prompt[slot]]
+            before_refs, before_free = bt.refs.copy(), bt.num_free_blocks
+            n = bt.cache(slot, bt.hash_blocks(tokens, len(tokens)), tokens, 0, self.model[slot])
+            assert 0 <= n <= self.model[slot]
+            assert (bt.cached[bt.tables[slot, :, :n]] >= 0).all()
+            assert (bt.refs == before_refs).all() and bt.num_free_blocks == before_free
+
+        @precondition(lambda self: caching and not all(self.model))
+        @rule(data=st.data(), which=st.integers(0, 2), limit=st.integers(0, max_bps), forged=st.booleans())
+        def lookup(self, data, which, limit, forged):
+            bt = self.bt
+            slot = data.draw(st.sampled_from([s for s in range(max_seqs) if not self.model[s]]))
+            tokens = prompts[which]
+            # Forged: another prompt's hashes, as a collision would give; the tokens still decide.
+            keyed = prompts[(which + 1) % 3] if forged else tokens
+            before_refs, before_free = bt.refs.copy(), bt.num_free_blocks
+            k = bt.lookup(slot, bt.hash_blocks(keyed, len(keyed)), tokens, limit)
+            assert 0 <= k <= limit
+            self.model[slot], self.prompt[slot] = k, which
+            got = bt.tables[slot, :, :k]
+            # A hit is K/V written for exactly this prefix, at every loop in its own plane.
+            for (t, i), b in np.ndenumerate(got):
+                assert self.content[int(b)] == (t, tuple(tokens[: (i + 1) * block_size].tolist()))
+            assert (bt.refs[got.ravel()] == before_refs[got.ravel()] + 1).all()
+            revived = int((before_refs[got.ravel()] == 0).sum())  # unheld cached blocks held again
+            assert bt.num_free_blocks == before_free - revived
+
         @invariant()
         def pool_is_consistent(self):
-            check_pool(self.bt, self.holds)
-            assert self.bt.num_blocks_of.tolist() == self.model
+            bt = self.bt
+            check_pool(bt, self.holds)
+            assert bt.num_blocks_of.tolist() == self.model
+            assert (bt.refs >= 0).all()
+            assert bt.num_free_blocks + int((bt.refs > 0).sum()) == bt.num_blocks
+            assert bt.num_cached_blocks == int((bt.cached >= 0).sum())
+            if not caching:
+                assert (bt.cached == -1).all()
+
+        @invariant()
+        def cache_entries_are_whole(self):
+            # An entry is one position block at every loop: its blocks are its planes, in loop order.
+            bt = self.bt
+            for e in np.unique(bt.cached[bt.cached >= 0]).tolist():
+                assert bt.cached[e] == e
+                planes = np.flatnonzero(bt.cached == e).tolist()
+                assert len(planes) == num_loops
+                assert len({self.content[b][1] for b in planes}) == 1
+                assert sorted(self.content[b][0] for b in planes) == list(range(num_loops))
+                assert len({int(bt.refs[b]) for b in planes}) == 1
 
         @invariant()
         def shared_blocks_keep_their_place(self):
@@ -203,10 +295,11 @@ def make_machine(modname: str, num_blocks: int, block_size: int, num_loops: int,
 
 
 @pytest.mark.parametrize("modname", MODULES)
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("geometry", [(24, 4, 4, 3, 3), (10, 2, 1, 4, 5), (9, 3, 3, 2, 2)])
-def test_state_machine(modname, geometry):
+def test_state_machine(modname, geometry, caching):
     run_state_machine_as_test(
-        make_machine(modname, *geometry),
+        make_machine(modname, *geometry, caching=caching),
         settings=settings(max_examples=30, stateful_step_count=25, deadline=None),
     )
 
@@ -334,6 +427,116 @@ def test_hold_adopt_release_refuse_bad_input(mod):
     assert bt.num_free_blocks == 16 and not bt.refs.any()
 
 
+def cached_prompt(bt, slot: int, tokens: np.ndarray) -> np.ndarray:
+    """Fill an empty slot with `tokens` (cache hits first), register its full blocks; returns the hashes."""
+    hashes = bt.hash_blocks(tokens, len(tokens))
+    k = bt.lookup(slot, hashes, tokens, len(hashes))
+    assert bt.allocate(slot, len(tokens))
+    assert bt.cache(slot, hashes, tokens, k, len(hashes)) == len(hashes)
+    return hashes
+
+
+def test_hit_takes_every_loop_of_the_cached_blocks(mod):
+    bt = mod.BlockTable(
+        num_blocks=32, block_size=4, num_loops=4, max_seqs=3, max_blocks_per_seq=4, caching=True
+    )
+    tokens = np.arange(14, dtype=np.int32)  # 3 full blocks and a partial one
+    hashes = cached_prompt(bt, 0, tokens)
+    assert bt.num_cached_blocks == 3 * 4 and bt.num_free_blocks == 32 - 16
+    assert bt.lookup(1, hashes, tokens, 2) == 2  # capped by max_blocks
+    assert bt.tables[1, :, :2].tolist() == bt.tables[0, :, :2].tolist()
+    assert bt.refs[bt.tables[0, :, :2].ravel()].tolist() == [2] * 8
+    longer = np.concatenate([tokens[:12], [99, 98, 97, 96]]).astype(np.int32)
+    assert bt.lookup(2, bt.hash_blocks(longer, 16), longer, 4) == 3  # the fourth block differs
+    bt.free(0)
+    bt.free(1)
+    bt.free(2)
+    # Unheld cached blocks count as free but keep their K/V until the pool needs them.
+    assert bt.num_free_blocks == 32 and bt.num_cached_blocks == 12 and not bt.refs.any()
+    assert bt.lookup(0, hashes, tokens, 3) == 3 and bt.num_free_blocks == 32 - 12
+
+
+def test_a_hash_collision_is_a_miss(mod):
+    bt = mod.BlockTable(
+        num_blocks=32, block_size=4, num_loops=2, max_seqs=3, max_blocks_per_seq=4, caching=True
+    )
+    tokens = np.arange(12, dtype=np.int32)
+    hashes = cached_prompt(bt, 0, tokens)
+    other = tokens + 100
+    assert bt.lookup(1, hashes, other, 3) == 0  # same hashes, other tokens
+    bt.free(1)
+    # Block 1's tokens match but its parent is not block 0's entry: a forged chain misses there.
+    mixed = np.concatenate([other[:4], tokens[4:]]).astype(np.int32)
+    forged = bt.hash_blocks(mixed, 12)
+    forged[1:] = hashes[1:]
+    assert bt.lookup(1, forged, mixed, 3) == 0
+    bt.free(1)
+    assert bt.lookup(1, hashes, tokens, 3) == 3
+
+
+def test_eviction_is_least_recently_released_and_never_of_held_blocks(mod):
+    bt = mod.BlockTable(
+        num_blocks=6, block_size=2, num_loops=2, max_seqs=3, max_blocks_per_seq=3, caching=True
+    )
+    a, b, c = (np.array([v, v], np.int32) for v in (1, 2, 3))
+    ha, hb, hc = (cached_prompt(bt, s, x) for s, x in ((0, a), (1, b), (2, c)))
+    assert bt.num_free_blocks == 0
+    assert not bt.allocate(0, 4)  # every block is held: nothing to evict
+    bt.free(1)
+    bt.free(0)
+    bt.free(2)
+    assert bt.num_free_blocks == 6 and bt.num_cached_blocks == 6
+    assert bt.allocate(0, 2)  # evicts b, released first
+    assert bt.lookup(1, hb, b, 1) == 0
+    assert bt.lookup(1, ha, a, 1) == 1  # a is held again: it outlives c under pressure
+    bt.free(2)
+    assert bt.allocate(2, 2) and bt.num_cached_blocks == 2  # c goes: a is held
+    bt.free(2)
+    assert bt.lookup(2, hc, c, 1) == 0
+    check_pool(bt)
+
+
+def test_cache_keeps_the_first_entry_of_equal_content(mod):
+    bt = mod.BlockTable(
+        num_blocks=16, block_size=2, num_loops=2, max_seqs=2, max_blocks_per_seq=2, caching=True
+    )
+    tokens = np.array([5, 6, 7, 8], np.int32)
+    hashes = cached_prompt(bt, 0, tokens)
+    assert bt.allocate(1, 4)  # the same prompt computed again, without a lookup
+    assert bt.cache(1, hashes, tokens, 0, 2) == 0
+    assert bt.num_cached_blocks == 4 and (bt.cached[bt.tables[1].ravel()] == -1).all()
+    bt.free(1)
+    assert bt.num_free_blocks == 12  # its blocks went back to the pool, the entries stay
+    with pytest.raises(ValueError, match="not cached"):
+        assert bt.allocate(1, 4) and bt.cache(1, hashes, tokens, 1, 2)
+
+
+def test_caching_off_caches_nothing(mod):
+    bt = mod.BlockTable(num_blocks=16, block_size=2, num_loops=2, max_seqs=2, max_blocks_per_seq=2)
+    tokens = np.array([5, 6, 7, 8], np.int32)
+    hashes = bt.hash_blocks(tokens, 4)
+    assert bt.allocate(0, 4) and bt.cache(0, hashes, tokens, 0, 2) == 0
+    bt.free(0)
+    assert bt.lookup(0, hashes, tokens, 2) == 0 and bt.num_free_blocks == 16 and bt.num_cached_blocks == 0
+
+
+def test_lookup_and_cache_refuse_bad_input(mod):
+    bt = mod.BlockTable(
+        num_blocks=16, block_size=2, num_loops=2, max_seqs=2, max_blocks_per_seq=2, caching=True
+    )
+    tokens = np.array([5, 6, 7, 8], np.int32)
+    hashes = bt.hash_blocks(tokens, 4)
+    assert bt.allocate(0, 2)
+    with pytest.raises(ValueError, match="already holds"):
+        bt.lookup(0, hashes, tokens, 2)
+    with pytest.raises(ValueError, match="do not fill"):
+        bt.lookup(1, hashes, tokens[:3], 2)
+    with pytest.raises(ValueError, match="holds 1 blocks"):
+        bt.cache(0, hashes, tokens, 0, 2)
+    with pytest.raises(ValueError, match="slot"):
+        bt.lookup(2, hashes, tokens, 1)
+
+
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("alloc"), st.integers(0, 3), st.integers(0, 20)),
@@ -342,17 +545,30 @@ OPS = st.lists(
         st.tuples(st.just("hold"), st.integers(0, 3), st.integers(0, 6)),
         st.tuples(st.just("adopt"), st.integers(0, 3), st.integers(0, 3)),
         st.tuples(st.just("release"), st.just(0), st.integers(0, 3)),
+        st.tuples(st.just("lookup"), st.integers(0, 3), st.integers(0, 2)),
+        st.tuples(st.just("cache"), st.integers(0, 3), st.integers(0, 2)),
     ),
     max_size=40,
 )
 
 
-def run_trace(modname: str, ops) -> list:
+def run_trace(modname: str, ops, caching: bool = False) -> list:
     """Applies a trace of operations and records every observable result."""
-    bt = importlib.import_module(modname).BlockTable(30, 3, 4, 4, 6)
+    bt = importlib.import_module(modname).BlockTable(30, 3, 4, 4, 6, caching)
+    prompts = prompts_for(3, 6)
     log, holds = [], []
     for op, slot, arg in ops:
-        if op in ("hold", "adopt", "release"):
+        if op in ("lookup", "cache"):
+            tokens = prompts[arg]
+            hashes = bt.hash_blocks(tokens, len(tokens))
+            try:
+                if op == "lookup":
+                    log.append(("lookup", bt.lookup(slot, hashes, tokens, 6)))
+                else:
+                    log.append(("cache", bt.cache(slot, hashes, tokens, 0, int(bt.num_blocks_of[slot]))))
+            except ValueError:
+                log.append((op, "ValueError"))
+        elif op in ("hold", "adopt", "release"):
             try:
                 if op == "hold":
                     holds.append(bt.hold(slot, arg))
@@ -383,15 +599,17 @@ def run_trace(modname: str, ops) -> list:
                 bt.num_free_blocks,
                 bt.refs.tolist(),
                 all_mappings(bt).tolist(),
+                bt.cached.tolist(),
+                bt.num_cached_blocks,
             )
         )
     return log
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS)
-def test_compiled_matches_twin(ops):
-    assert run_trace(MODULES[0], ops) == run_trace(MODULES[1], ops)
+@given(ops=OPS, caching=st.booleans())
+def test_compiled_matches_twin(ops, caching):
+    assert run_trace(MODULES[0], ops, caching) == run_trace(MODULES[1], ops, caching)
 
 
 def test_compiled_module_is_really_compiled():

@@ -60,6 +60,7 @@ class Trace:
     seed: int
     p_exit: float  # chance that a row allowed (not forced) to exit does
     p_abort: float  # chance per step of finish() on a random live request
+    caching: bool = False  # a prefix-caching block table, and prompts cut from two shared texts
 
 
 @dataclass
@@ -111,7 +112,9 @@ class Sim:
         self.max_bps = -(-max_cap // trace.block_size)
         self.bts, self.scheds = [], []
         for bt_mod, ls_mod in impls:
-            bt = bt_mod.BlockTable(trace.num_blocks, trace.block_size, T, trace.max_rows, self.max_bps)
+            bt = bt_mod.BlockTable(
+                trace.num_blocks, trace.block_size, T, trace.max_rows, self.max_bps, trace.caching
+            )
             self.bts.append(bt)
             self.scheds.append(
                 ls_mod.LoopScheduler(bt, trace.max_requests, trace.max_rows, trace.max_tokens, trace.refill)
@@ -129,6 +132,11 @@ class Sim:
         self.steps = 0
         self.preemptions = 0
         self.done: list[Req] = []
+        self.texts = [[self.rng.randrange(50_000) for _ in range(40)] for _ in range(2)]
+        self.content: dict[
+            int, tuple
+        ] = {}  # physical slot -> (the token prefix, loop) its K/V was written for
+        self.hits = 0  # prompt tokens admissions took from the cache
 
     @property
     def s(self):
@@ -159,6 +167,8 @@ class Sim:
         while self.todo and self.todo[0].arrival <= self.steps:
             spec = self.todo[0]
             prompt = [self.rng.randrange(50_000) for _ in range(spec.prompt_len)]
+            if self.tr.caching:  # a prefix of one of two texts, its last token its own
+                prompt = self.rng.choice(self.texts)[: spec.prompt_len - 1] + prompt[-1:]
             cap = spec.prompt_len + spec.max_new
             args = (np.array(prompt, np.int32), cap, spec.min_loops, spec.max_loops, spec.log1mq)
             if len(self.reqs) == self.tr.max_requests:
@@ -212,6 +222,7 @@ class Sim:
 
     def schedule(self) -> int:
         covered = self.bt.num_blocks_of.copy() * self.tr.block_size
+        self.epochs = {r.rid: self.s.kv_epoch(r.rid) for r in self.running}
         counts = [s.schedule() for s in self.scheds]
         self.compare_twins(())
         n = counts[0]
@@ -271,8 +282,12 @@ class Sim:
         """Find the requests this schedule preempted: never one with a row in flight."""
         s = self.s
         n = s.num_rows
-        # A running request whose new row starts at 0 again was preempted and readmitted.
-        restarted = {int(s.row_rid[k]) for k in range(n) if s.row_loop[k] == 0 and s.row_start[k] == 0}
+        # A running request that lost its KV (its epoch moved) was preempted, and maybe readmitted.
+        restarted = {
+            int(s.row_rid[k])
+            for k in range(n)
+            if s.kv_epoch(int(s.row_rid[k])) != self.epochs.get(int(s.row_rid[k]))
+        }
         preempted = []
         for req in self.running:
             st_now = s.status(req.rid)
@@ -333,6 +348,8 @@ class Sim:
                 key = (0 if left == 1 else 1, req.arrival if self.seniority else 0)
             assert key >= last_key, "new rows out of decode / prefill / admission order"
             last_key = key
+            if key[0] == 2 and start:
+                self.check_hit(req, start)
             assert start == req.done, "a new row does not start at the first uncomputed token"
             budget = tr.max_tokens - int(s.row_tok_off[k])
             assert length == min(len(req.tokens) - start, budget), "a chunk is shorter than the budget allows"
@@ -343,6 +360,18 @@ class Sim:
             assert s.status(req.rid) == RUNNING
         assert s.num_waiting == len(self.waiting) and s.num_running == len(self.running)
         assert len(self.running) <= tr.max_rows
+
+    def check_hit(self, req: Req, start: int) -> None:
+        """An admission that starts past 0 took cache hits: whole prompt blocks short of the last prompt
+        token, whose K/V at every loop was computed for exactly this prefix."""
+        bs = self.tr.block_size
+        assert self.tr.caching and start % bs == 0 and start <= (req.num_prompt - 1) // bs * bs
+        for pos in range(start):
+            for t in range(T):
+                got = self.content.get(phys(self.bt.tables, bs, req.slot, t, pos))
+                assert got == (tuple(req.tokens[: pos + 1]), t), "a cache hit holds another prefix's K/V"
+        req.done = start
+        self.hits += start
 
     def check_rows(self) -> None:
         """Per row and token: exit window, positions, ids, hidden_src, and where K/V is written."""
@@ -371,7 +400,11 @@ class Sim:
                 else:
                     assert got == phys(tables, bs, req.slot, loop, pos)
                     written.append(got)
+                    self.content[got] = (tuple(req.tokens[: pos + 1]), loop)
         assert len(written) == len(set(written)), "two tokens write one physical slot"
+        assert (self.bt.cached[np.array(written, np.int64) // bs] == -1).all(), (
+            "a write lands in a cached block"
+        )
         self.written = set(written)
 
     def check_propagation(self) -> None:
@@ -389,6 +422,9 @@ class Sim:
         dst = [d for _, d in got]
         assert len(dst) == len(set(dst))
         assert not self.written.intersection(dst), "this step overwrites a propagated copy"
+        assert (self.bt.cached[np.array(dst, np.int64) // bs] == -1).all(), "a copy lands in a cached block"
+        for src, d in got:
+            self.content[d] = ("copy", self.content.get(src))
         self.pend = []
 
     # ---- update ------------------------------------------------------------------
@@ -465,9 +501,12 @@ class Sim:
         bt = self.bt
         counts = bt.num_blocks_of
         owned = np.concatenate([bt.tables[q, :, : counts[q]].ravel() for q in range(self.tr.max_rows)])
-        assert len(np.unique(owned)) == len(owned), "a block is owned twice"
         assert ((owned >= 0) & (owned < self.tr.num_blocks)).all()
-        assert len(owned) + bt.num_free_blocks == self.tr.num_blocks
+        holders = np.bincount(owned, minlength=self.tr.num_blocks)
+        assert (bt.refs == holders).all() and (bt.refs >= 0).all()
+        # Only cache hits share blocks: two tables hold one block only if it is a cache entry.
+        assert ((holders <= 1) | (bt.cached >= 0)).all(), "a block is owned twice"
+        assert int((holders > 0).sum()) + bt.num_free_blocks == self.tr.num_blocks
         assert int((bt.tables >= 0).sum()) == len(owned)
         held = {r.slot for r in self.running}
         assert {q for q in range(self.tr.max_rows) if counts[q]} <= held, (
@@ -498,6 +537,8 @@ class Sim:
                     name
                 )
             assert np.array_equal(self.bt.tables, bt.tables) and self.bt.num_free_blocks == bt.num_free_blocks
+            assert np.array_equal(self.bt.cached, bt.cached)
+            assert (a.cache_queries, a.cache_hits) == (b.cache_queries, b.cache_hits)
 
 
 # ---- traces ------------------------------------------------------------------------
@@ -517,7 +558,9 @@ def specs(draw, max_arrival: int) -> Spec:
 
 
 @st.composite
-def traces(draw, max_requests: int = 8, max_arrival: int = 30, tight: bool = False) -> Trace:
+def traces(
+    draw, max_requests: int = 8, max_arrival: int = 30, tight: bool = False, caching: bool = False
+) -> Trace:
     """Random traffic; `tight`: a pool that holds the largest request plus at most one block per loop."""
     bs = draw(st.sampled_from([1, 2, 4, 8, 16]))
     reqs = tuple(draw(st.lists(specs(max_arrival), min_size=1, max_size=max_requests)))
@@ -534,6 +577,7 @@ def traces(draw, max_requests: int = 8, max_arrival: int = 30, tight: bool = Fal
         seed=draw(st.integers(0, 2**32 - 1)),
         p_exit=draw(st.sampled_from([0.1, 0.5, 0.9])),
         p_abort=draw(st.sampled_from([0.0, 0.0, 0.03, 0.15])),
+        caching=caching,
     )
 
 
@@ -572,6 +616,17 @@ def test_tight_pool_progress_and_seniority(tr: Trace):
 @given(st.one_of(traces(max_requests=5, max_arrival=12), traces(max_requests=4, max_arrival=8, tight=True)))
 def test_compiled_and_twin_decide_identically(tr: Trace):
     Sim(tr, BOTH).run(step_bound(tr))
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(st.one_of(traces(caching=True), traces(tight=True, caching=True)))
+def test_prefix_cache_under_random_traffic(tr: Trace):
+    """Hits are whole prompt blocks written for the same prefix at every loop; nothing writes a cached
+    block; everyone finishes, under preemption and eviction pressure too."""
+    sim = Sim(tr, BOTH)
+    sim.run(step_bound(tr))
+    assert sim.arrivals == len(sim.done) == len(tr.specs)
+    assert sim.s.cache_hits == sim.hits
 
 
 @IMPLS
@@ -879,3 +934,90 @@ def test_shared_prompt_input_is_checked(impl):
     for _ in range(T):
         step(s)
     assert s.status(child) == WAITING and s.admit_now(child) is False  # its shared blocks: schedule() only
+
+
+# ---- the prefix cache ----------------------------------------------------------------------------
+
+
+def cache_sched(impl, num_blocks=64, max_rows=2, max_tokens=64):
+    bt_mod, ls_mod = impl
+    bt = bt_mod.BlockTable(num_blocks, 4, T, max_rows, 8, True)
+    return bt, ls_mod.LoopScheduler(bt, 8, max_rows, max_tokens)
+
+
+def run_alone(s, prompt, max_new=6, **kw) -> int:
+    rid = s.add(np.asarray(prompt, np.int32), len(prompt) + max_new, T, T, 0.0, **kw)
+    while s.status(rid) != FREE:
+        step(s)
+    return rid
+
+
+@IMPLS
+def test_a_cached_prompt_is_reused_short_of_its_last_token(impl):
+    bt, s = cache_sched(impl)
+    prompt = np.arange(100, 112, dtype=np.int32)  # 3 whole blocks
+    run_alone(s, prompt)
+    assert s.cache_hits == 0 and s.cache_queries == 12
+    # Prompt blocks only: the block of generated tokens (positions 12..15, full after 4) is not cached.
+    assert bt.num_cached_blocks == 3 * T
+    rid = s.add(prompt, 20, T, T, 0.0)
+    n = s.schedule()
+    # Two blocks hit; the third holds the last prompt token, which the request computes itself.
+    assert n == 1 and s.row_start[0] == 8 and s.row_len[0] == 4 and s.cached_tokens(rid) == 8
+    assert (s.cache_queries, s.cache_hits) == (24, 8)
+    s.update(np.zeros(1, np.uint8), np.zeros(1, np.int32))
+    while s.status(rid) != FREE:
+        step(s)
+    assert s.cached_tokens(rid) == 8  # still readable once finished, for its final output
+    assert bt.num_free_blocks == 64 and not bt.refs.any()
+
+
+@IMPLS
+def test_a_longer_prompt_hits_the_earlier_ones_blocks_and_extends_the_cache(impl):
+    bt, s = cache_sched(impl)
+    first = np.arange(100, 109, dtype=np.int32)  # 2 whole blocks and one token
+    run_alone(s, first)
+    second = np.concatenate([first, np.arange(7, 14, dtype=np.int32)]).astype(np.int32)  # the next turn: 16
+    rid = s.add(second, 20, T, T, 0.0)
+    assert s.schedule() == 1 and s.row_start[0] == 8 and s.cached_tokens(rid) == 8
+    s.update(np.zeros(1, np.uint8), np.zeros(1, np.int32))
+    while s.status(rid) != FREE:
+        step(s)
+    assert bt.num_cached_blocks == 4 * T  # its own blocks 2 and 3 joined the cache
+    third = s.add(second, 20, T, T, 0.0)
+    assert s.schedule() == 1 and s.row_start[0] == 12 and s.cached_tokens(third) == 12
+
+
+@IMPLS
+def test_may_hit_false_computes_every_token_but_still_caches(impl):
+    bt, s = cache_sched(impl)
+    prompt = np.arange(100, 112, dtype=np.int32)
+    run_alone(s, prompt)
+    rid = s.add(prompt, 20, T, T, 0.0, may_hit=False)
+    assert s.schedule() == 1 and s.row_start[0] == 0 and s.row_len[0] == 12 and s.cached_tokens(rid) == 0
+    assert (s.cache_queries, s.cache_hits) == (12, 0)  # no lookup, no query
+    prefix = s.add_prefix(prompt[:8], may_hit=False)
+    kid = s.add(prompt, 20, T, T, 0.0, prefix=prefix)
+    assert s.status(kid) == PARKED and s.cached_tokens(kid) == 0
+
+
+@IMPLS
+def test_a_preempted_request_takes_its_own_prompt_blocks_back(impl):
+    # 24 blocks, 6 per loop: two 9-token prompts fit (3 each); the older's fourth block preempts the other.
+    bt, s = cache_sched(impl, num_blocks=24, max_rows=2, max_tokens=32)
+    a = s.add(np.arange(100, 109, dtype=np.int32), 16, T, T, 0.0)
+    b = s.add(np.arange(200, 209, dtype=np.int32), 16, T, T, 0.0)
+    preempted, restarts = 0, []
+    for _ in range(200):
+        if s.status(a) == FREE and s.status(b) == FREE:
+            break
+        n = s.schedule()
+        preempted += s.num_preempted
+        restarts += [
+            (int(s.row_rid[k]), int(s.row_start[k])) for k in range(n) if s.row_new[k] and s.row_len[k] > 1
+        ]
+        exited = (s.row_loop[:n] >= s.row_exit_hi[:n]) & (s.row_exit_lo[:n] != NO_EXIT)
+        s.update(exited.astype(np.uint8), np.full(n, 9, np.int32))
+    # The victim recomputes from its third block: its first two came back from the cache.
+    assert preempted == 1 and restarts[-1] == (b, 8) and s.cached_tokens(b) == 0
+    assert s.cache_hits == 8 and bt.num_free_blocks == 24 and not bt.refs.any()

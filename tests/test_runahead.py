@@ -355,3 +355,35 @@ def test_exit_steps_count_the_launches_where_a_row_exited(model_dir):
     launches = set().union(*map(set, exits.values()))
     assert eng.ahead.exit_launches == len(launches) >= 5
     assert eng.ahead.total_launches >= eng.num_loops * eng.ahead.exit_launches - eng.num_loops
+
+
+def test_newcomers_with_cached_prompts_ride_whole_or_take_the_host_path(model_dir):
+    # A rider is seated with its whole prompt (no cache hit: the lanes compute it from position 0); a
+    # newcomer too long to ride is scheduled by the host, reuses the cached blocks, and hands the batch
+    # back (a prompt that starts past 0 never rides). Either way: the tokens of a cold host-path run.
+    cached = list(range(40, 58))  # 18 tokens: four 4-token blocks cached by the first request
+    warm = ("warm", cached, greedy(2))
+    rider = ("rider", cached[:8] + [1], greedy(4))
+    host = ("host", cached + [2, 3], greedy(4))
+    early = [(str(i), p, greedy(8)) for i, p in enumerate(PROMPTS)]
+    cold = engine(model_dir, run_ahead=False, block_size=4, enable_prefix_caching=False)
+    want = tokens(run(cold, [warm] + early + [rider, host]))
+    eng = engine(model_dir, block_size=4)
+    got = tokens(run(eng, [warm]))
+    seen = {}
+
+    def add_late(e):
+        if "rider" not in seen and e.ahead.active and e.ahead.launched >= 3:
+            e.add_request(*rider)
+            seen["rider"] = True
+        elif "rider" in seen and "host" not in seen and e.ahead.active and e.ahead.total_riders:
+            e.add_request(*host)
+            seen["host"] = True
+            return True
+        return False
+
+    done = run(eng, early, hook=add_late)
+    got.update(tokens(done))
+    assert got == want
+    assert seen == {"rider": True, "host": True} and eng.ahead.total_riders >= 1
+    assert done["rider"].cached_tokens == 0 and done["host"].cached_tokens == 16

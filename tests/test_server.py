@@ -137,6 +137,7 @@ def test_completion_stream_as_vllm_bench_reads_it(server, llm):
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 7,
         "total_tokens": prompt_tokens + 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
@@ -443,9 +444,10 @@ def test_response_shapes_are_the_openai_sdks_types(server):
         Completion.model_validate(
             http.post("/v1/completions", json={**base, "prompt": "Hi"}).json(), strict=False
         )
-        ChatCompletion.model_validate(
+        chat = ChatCompletion.model_validate(
             http.post("/v1/chat/completions", json={**base, "messages": msgs}).json()
         )
+        assert isinstance(chat.usage.prompt_tokens_details.cached_tokens, int)
         stream = {"stream": True, "stream_options": {"include_usage": True}}
         chunks = _sse(http.post("/v1/completions", json={**base, "prompt": "Hi", **stream}))
         assert len(chunks) >= 2 and chunks[-1]["usage"]["completion_tokens"] == 3
@@ -518,8 +520,9 @@ def test_prompt_lists_and_n(server, llm):
         want = [offline(llm, p, **params)[0] for p in prompts]
         assert texts == [want[0], want[0], want[1], want[1]]  # greedy: a prompt's choices agree
         ids = [llm.engine.tokenizer.encode(p) for p in prompts]
-        assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "completion_tokens": 16, "total_tokens":
-                                 sum(map(len, ids)) + 16}  # fmt: skip
+        n_prompt = sum(map(len, ids))
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": 16, "total_tokens": n_prompt + 16}
+        assert body["usage"] == {**usage, "prompt_tokens_details": {"cached_tokens": 0}}
         # Seeded sampling: the choices differ, and the request is reproducible.
         sampled = {"model": MODEL, "prompt": "Hello", "n": 3, "max_tokens": 8, "temperature": 1.0, "seed": 5}
         a = [c["text"] for c in http.post("/v1/completions", json=sampled).json()["choices"]]
@@ -552,7 +555,8 @@ def test_n_choices_compute_their_prompt_once(server, llm):
         choices = sorted(body.json()["choices"], key=lambda c: c["index"])
         assert [c["index"] for c in choices] == [0, 1, 2, 3]
         assert [c["text"] for c in choices] == [offline(llm, ids, seed=5 + j, **params)[0] for j in range(4)]
-        assert body.json()["usage"] == {"prompt_tokens": 40, "completion_tokens": 24, "total_tokens": 64}
+        usage = {"prompt_tokens": 40, "completion_tokens": 24, "total_tokens": 64}
+        assert body.json()["usage"] == {**usage, "prompt_tokens_details": {"cached_tokens": 0}}
         # Equal prompts of a list share too; echo and prompt logprobs are computed once, reported per choice.
         body = {"model": MODEL, "prompt": [ids, ids], "n": 2, "max_tokens": 1, "echo": True, "logprobs": 1,
                 "prompt_logprobs": 1, "temperature": 0}  # fmt: skip
@@ -563,6 +567,32 @@ def test_n_choices_compute_their_prompt_once(server, llm):
         echoed = [c["logprobs"]["token_logprobs"][:40] for c in r["choices"]]
         assert len(echoed) == 4 and echoed[0][0] is None and all(e == echoed[0] for e in echoed)
         assert all(c["prompt_logprobs"] == r["choices"][0]["prompt_logprobs"] for c in r["choices"])
+
+
+def test_a_repeated_prompt_reuses_its_cached_blocks(server, llm):
+    """The second time a 40-token prompt comes, its first two 16-token blocks come from the prefix cache:
+    usage.prompt_tokens_details.cached_tokens and vLLM's prefix-cache counters (tokens) show it, and the
+    reply is the offline engine's."""
+    ids = list(range(600, 640))
+    params = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    body = {"model": MODEL, "prompt": ids, **params}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        before = wait_idle(server)
+        first = http.post("/v1/completions", json=body).json()
+        second = http.post("/v1/completions", json=body).json()
+        after = wait_idle(server)
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        assert first["choices"][0]["text"] == second["choices"][0]["text"] == offline(llm, ids, **params)[0]
+        assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] == 80
+        assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] == 32
+        # Chat: the same long message twice; the streamed usage chunk reports the reuse too.
+        msgs = [{"role": "user", "content": " ".join(f"w{i}" for i in range(60))}]
+        chat = {"model": MODEL, "messages": msgs, **params}
+        assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] > 32
+        stream = {"stream": True, "stream_options": {"include_usage": True}}
+        chunks = _sse(http.post("/v1/chat/completions", json={**chat, **stream}))
+        assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
 
 
 def test_echo_and_prompt_logprobs(server, llm):

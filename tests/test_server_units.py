@@ -206,6 +206,29 @@ def test_length_and_chat_limits():
     assert protocol.parse_chat(both, INFO, lambda *a, **k: "T").max_tokens == 7
 
 
+def test_boolean_options_take_vllm_spellings():
+    import argparse
+
+    from ouro_fast.server.config import ServerConfig, env_name
+    from ouro_fast.server.launch import add_serve_args
+
+    def config(*args):
+        parser = argparse.ArgumentParser()
+        add_serve_args(parser)
+        parsed = vars(parser.parse_args(list(args)))
+        return ServerConfig.from_env({env_name(k): str(v) for k, v in parsed.items() if v is not None})
+
+    assert config().enable_prefix_caching is True
+    assert config().engine_options()["enable_prefix_caching"] is True
+    assert config("--no-enable-prefix-caching").engine_options()["enable_prefix_caching"] is False
+    assert config("--enable-prefix-caching").enable_prefix_caching is True
+    assert config("--enable-prefix-caching", "false").enable_prefix_caching is False
+    assert config("--refill", "false").refill is False and config("--no-refill").refill is False
+    assert ServerConfig.from_env({"OURO_FAST_ENABLE_PREFIX_CACHING": "0"}).enable_prefix_caching is False
+    with pytest.raises(SystemExit):
+        config("--no-enable-prefix-caching", "true")
+
+
 def test_every_option_has_help_and_a_metavar():
     import argparse
 

@@ -11,6 +11,11 @@ Depth policies of the fake runner: "full" (every token runs 4 loops) and
 Per generated token = total scheduler time / tokens sampled; "per batch
 token" = the time to advance every row by one token (B tokens).
 
+The prefix cache (a block table that caches, written to scheduler_cache.json):
+a hit of a 4,096-token prompt, i.e. looking up its cached blocks (every loop's
+plane, all but the block of its last token) and allocating the rest; its
+hashing (once per request, when it is added) and the free are timed apart.
+
 Run: python -m bench.micro.scheduler [--quick] [--out bench/results/DIR]
 """
 
@@ -139,6 +144,58 @@ def measure(kind: str, batch: int, waiting: int, policy: str, steps: int) -> dic
     }
 
 
+CACHE_PROMPT = 4096
+
+
+def measure_cache(kind: str, reps: int) -> dict:
+    """Microseconds of a 4,096-token prompt's prefix-cache hit: lookup + allocation, free, hashing."""
+    BlockTable, _ = load(kind)
+    blocks = CACHE_PROMPT // BLOCK_SIZE
+    bt = BlockTable(2 * blocks * NUM_LOOPS, BLOCK_SIZE, NUM_LOOPS, 2, blocks, True)
+    tokens = np.random.default_rng(0).integers(3, 1000, CACHE_PROMPT, dtype=np.int32)
+    hashes = bt.hash_blocks(tokens, CACHE_PROMPT)
+    bt.allocate(0, CACHE_PROMPT)
+    bt.cache(0, hashes, tokens, 0, blocks)
+    bt.free(0)  # the entries wait unheld in the LRU list, as after their request ended
+    hit_us, free_us, hash_us = [], [], []
+    gc.collect()
+    clock = time.perf_counter_ns
+    for _ in range(reps):
+        t0 = clock()
+        hit = bt.lookup(1, hashes, tokens, blocks - 1)
+        bt.allocate(1, CACHE_PROMPT)
+        t1 = clock()
+        bt.free(1)
+        t2 = clock()
+        bt.hash_blocks(tokens, CACHE_PROMPT)
+        t3 = clock()
+        if hit != blocks - 1:
+            raise RuntimeError(f"the cached prompt hit {hit} blocks, not {blocks - 1}")
+        hit_us.append((t1 - t0) / 1e3)
+        free_us.append((t2 - t1) / 1e3)
+        hash_us.append((t3 - t2) / 1e3)
+    return {
+        "impl": kind,
+        "prompt_tokens": CACHE_PROMPT,
+        "hit_blocks": blocks - 1,
+        "lookup_allocate_us": summarize(hit_us),
+        "free_us": summarize(free_us),
+        "hash_us": summarize(hash_us),
+    }
+
+
+def run_cache(quick: bool = False) -> list[dict]:
+    out = [measure_cache(kind, 50 if quick else 2000) for kind in ("compiled", "twin")]
+    for r in out:
+        print(
+            f"prefix cache, {CACHE_PROMPT}-token prompt, {r['impl']:8s}: lookup + allocate "
+            f"{r['lookup_allocate_us']['p50']:8.2f} us (p90 {r['lookup_allocate_us']['p90']:.2f}); "
+            f"free {r['free_us']['p50']:.2f} us; hashing (once, when added) {r['hash_us']['p50']:.2f} us",
+            flush=True,
+        )
+    return out
+
+
 def steps_for(kind: str, batch: int, quick: bool) -> int:
     if quick:
         return 24
@@ -203,6 +260,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = start_run()
     res = run(args.quick, candidate=args.candidate)
     write_result(meta, res, args.out, "scheduler")
+    write_result(meta, run_cache(args.quick), args.out, "scheduler_cache")
     return res
 
 

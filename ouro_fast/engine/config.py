@@ -25,6 +25,8 @@ class EngineConfig:
     block_size: int = 16  # positions per KV block
     kv_cache_bytes: int | None = None  # default: 256 MiB on CPU, 85% of free memory on CUDA
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes
+    # Reuse the K/V of prompt blocks seen before (every loop's plane at once); unheld ones evicted LRU.
+    enable_prefix_caching: bool = True
     refill: bool = True  # False: a batch drains to its slowest row before new rows join (for comparisons)
     seed: int = 0  # seeds the sampler of unseeded requests
     keep_logits: bool = False  # keep each output token's logits on its request (tests; no run-ahead)

@@ -154,7 +154,7 @@ class Engine:
         self.max_request_tokens = min(self.max_model_len, num_blocks // self.num_loops * cfg.block_size)
         return Scheduler(
             num_blocks, cfg.block_size, self.num_loops, cfg.max_num_seqs, cfg.max_waiting,
-            cfg.max_num_batched_tokens, self.max_blocks_per_seq, cfg.refill,
+            cfg.max_num_batched_tokens, self.max_blocks_per_seq, cfg.refill, cfg.enable_prefix_caching,
         )  # fmt: skip
 
     def _build_runner(self):
@@ -233,9 +233,10 @@ class Engine:
     def _add_prefix(self, prompt_ids: list[int], shared: int, params: list[SamplingParams]) -> int:
         """The scheduler's prefix request of a shared prompt; it computes the prompt logprobs its
         first `shared` positions give, for every request that asks for them."""
-        prefix = self.scheduler.add_prefix(np.asarray(prompt_ids[:shared], dtype=np.int32))
-        self._forget_prefix(prefix)
         wanted = [p.prompt_logprobs for p in params if p.prompt_logprobs is not None]
+        # Prompt logprobs come from computing the positions: a prefix that reports them reuses no cache.
+        prefix = self.scheduler.add_prefix(np.asarray(prompt_ids[:shared], dtype=np.int32), not wanted)
+        self._forget_prefix(prefix)
         s = self.scheduler.sampling
         s.prompt_logprobs[prefix] = max(wanted, default=-1)
         s.prompt_done[prefix] = 0
@@ -276,8 +277,9 @@ class Engine:
         req = Request(request_id, -1, list(prompt_ids), params, eos | frozenset(params.stop_token_ids))
         req.exit_window = (lo - 1, hi - 1, log_one_minus(q))
         rid = self.scheduler.add(
-            np.asarray(prompt_ids, dtype=np.int32), cap, lo, hi, req.exit_window[2], prefix
-        )
+            np.asarray(prompt_ids, dtype=np.int32), cap, lo, hi, req.exit_window[2], prefix,
+            params.prompt_logprobs is None,  # prompt logprobs come from computing every position
+        )  # fmt: skip
         req.rid = rid
         self._forget_prefix(rid)
         try:
@@ -567,6 +569,7 @@ class Engine:
             finish_reason=reason,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
+            cached_tokens=self.scheduler.cached_tokens(req.rid),
             exit_loops=req.exit_loops[len(req.exit_loops) - n :] if n else [],
             logprobs=req.logprobs[len(req.logprobs) - n :] if n and req.logprobs else None,
             error=error,

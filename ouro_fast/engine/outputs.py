@@ -23,6 +23,7 @@ class StepOutput:
     error: str | None = None
     request: Any = None  # the finished Request (full text, ids, exit loops); None until finished
     logprobs: list | None = None  # TokenLogprobs of each new token, when the request asked for them
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass
@@ -46,6 +47,9 @@ class StepStats:
     total_refills: int = 0
     total_preemptions: int = 0
     total_prefill_tokens: int = 0
+    # vLLM's prefix-cache counters, in tokens: known tokens of admissions that looked up, tokens reused.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     exit_depth_histogram: list[int] = field(default_factory=list)  # tokens by loops run (1..T)
     scheduler_seconds: float = 0.0
     model_seconds: float = 0.0
@@ -64,6 +68,8 @@ class StepStats:
         self.refills, self.preemptions = plan.num_refills, plan.num_preempted
         self.prefill_tokens = plan.num_prefill_tokens
         self.total_prefill_tokens += plan.num_prefill_tokens
+        self.prefix_cache_queries = scheduler.prefix_cache_queries
+        self.prefix_cache_hits = scheduler.prefix_cache_hits
         self.kv_blocks_free = scheduler.num_free_blocks
         self.kv_blocks_used = scheduler.num_blocks - scheduler.num_free_blocks
         per_loop = np.bincount(plan.loop, minlength=self.num_loops)

@@ -42,9 +42,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_blocks_per_seq: int,
         refill: bool = True,
+        prefix_caching: bool = False,
     ):
         self.capacity = max_num_seqs + max_waiting  # requests held at once: the size of per-rid arrays
-        self.blocks = BlockTable(num_blocks, block_size, num_loops, max_num_seqs, max_blocks_per_seq)
+        self.blocks = BlockTable(
+            num_blocks, block_size, num_loops, max_num_seqs, max_blocks_per_seq, prefix_caching
+        )
         self.core = LoopScheduler(self.blocks, self.capacity, max_num_seqs, max_num_batched_tokens, refill)
         self.sampling = SamplingTable.empty(self.capacity)
 
@@ -58,15 +61,21 @@ class Scheduler:
         max_loops: int,
         log1mq: float,
         prefix: int = -1,
+        may_hit: bool = True,
     ) -> int:
         """Queue a request; returns its rid. OverflowError when the scheduler holds `capacity` requests.
-        `prefix`: an add_prefix() rid whose tokens begin the prompt; the request shares its KV blocks."""
-        return self.core.add(prompt_ids, cap_tokens, min_loops, max_loops, log1mq, prefix)
+        `prefix`: an add_prefix() rid whose tokens begin the prompt; the request shares its KV blocks.
+        `may_hit`: its admission may reuse prefix-cache blocks (False: it computes every prompt token)."""
+        return self.core.add(prompt_ids, cap_tokens, min_loops, max_loops, log1mq, prefix, may_hit)
 
-    def add_prefix(self, prompt_ids: np.ndarray) -> int:
+    def add_prefix(self, prompt_ids: np.ndarray, may_hit: bool = True) -> int:
         """Queue the whole blocks of a prompt that several requests share (computed once, never sampled);
         returns its rid. It ends by itself: once computed, or when the last request added on it ends."""
-        return self.core.add_prefix(prompt_ids)
+        return self.core.add_prefix(prompt_ids, may_hit)
+
+    def cached_tokens(self, rid: int) -> int:
+        """Prompt tokens the request's first admission reused from the prefix cache."""
+        return self.core.cached_tokens(rid)
 
     def finish(self, rid: int) -> None:
         """Forget a request and free its KV (a no-op when the core already freed it at its length cap)."""
@@ -91,6 +100,16 @@ class Scheduler:
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free_blocks
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Known tokens of the admissions that looked the prefix cache up (vLLM's queries)."""
+        return self.core.cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Tokens those admissions reused from the prefix cache (vLLM's hits)."""
+        return self.core.cache_hits
 
     # ---- the step ----
 

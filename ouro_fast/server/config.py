@@ -41,6 +41,7 @@ class ServerConfig:
     seed: int = 0
     runner: str = "auto"  # "torch" (reference) or "triton" (kernels + CUDA graphs); auto: triton on CUDA
     cuda_graphs: bool = True
+    enable_prefix_caching: bool = True  # reuse cached prompt blocks (every loop plane); evicted LRU
     refill: bool = True  # False: batches drain to their slowest row (for comparisons)
     run_ahead: bool = True  # triton runner: decode-only batches launch before their exits are read
     run_ahead_full_depth: bool = True  # ... also when no row can exit early (hides host work per step)
@@ -105,7 +106,7 @@ class ServerConfig:
         names = (
             "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
             "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
-            "cuda_graphs", "refill", "run_ahead", "run_ahead_full_depth",
+            "cuda_graphs", "enable_prefix_caching", "refill", "run_ahead", "run_ahead_full_depth",
             "run_ahead_depth", "compile_threads", "cpu_threads", "test_faults", "queue_timeout",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
@@ -223,6 +224,8 @@ OPTION_HELP = {
     "seed": "the sampler's seed for unseeded requests",
     "runner": "auto (triton on CUDA, else torch), torch (the reference) or triton (kernels + CUDA graphs)",
     "cuda_graphs": "capture every step shape as a CUDA graph at start-up (triton runner)",
+    "enable_prefix_caching": "reuse the K/V of prompt blocks seen before (every loop's plane); "
+    "--no-enable-prefix-caching turns it off",
     "refill": "start new rows at every loop boundary; false drains a batch to its slowest row",
     "run_ahead": "let the device drive decode-only batches ahead of the host (triton runner)",
     "run_ahead_full_depth": "run ahead also when no row can exit early",

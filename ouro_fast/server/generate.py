@@ -108,10 +108,20 @@ def _merge(outs: list) -> tuple[str, list[int], list, object]:
     return text, ids, lps, final
 
 
-def _usage(req: GenerateRequest, prompts: list, finals) -> dict:
+def _usage(req: GenerateRequest, prompts: list, finals: dict) -> dict:
     # Each prompt counts once, whatever n; every choice's tokens count (none for max_tokens 0).
-    tokens = sum(f.completion_tokens for f in finals) if req.generate else 0
-    return protocol.usage(sum(len(p) for p in prompts), tokens)
+    tokens = sum(f.completion_tokens for f in finals.values()) if req.generate else 0
+    cached = {i: f.cached_tokens for i, f in finals.items()}
+    return protocol.usage(sum(len(p) for p in prompts), tokens, _cached(req, cached))
+
+
+def _cached(req: GenerateRequest, cached: dict[int, int]) -> int:
+    """Prompt tokens reused from the prefix cache, each prompt once: the most any of its choices reports
+    (choice index -> its output's cached_tokens)."""
+    per_prompt: dict[int, int] = {}
+    for i, n in cached.items():
+        per_prompt[i // req.n] = max(per_prompt.get(i // req.n, 0), n)
+    return sum(per_prompt.values())
 
 
 async def _collect_one(handle: RequestHandle) -> tuple[str, list[int], list, object]:
@@ -152,7 +162,8 @@ async def _collect(handles: list[RequestHandle], req: GenerateRequest, rid: str,
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = protocol.prompt_logprobs_body(prompt, prompt_lps, decode)
         choices.append(body)
-    usage = protocol.usage(sum(len(p) for p in prompts), tokens)  # each prompt once, whatever n
+    cached = _cached(req, {i: final.cached_tokens for i, (*_, final) in enumerate(results)})
+    usage = protocol.usage(sum(len(p) for p in prompts), tokens, cached)  # each prompt once, whatever n
     return json_response(protocol.completion_response(rid, created, req, choices, usage))
 
 
@@ -191,7 +202,7 @@ async def _send_stream(request, merged, count: int, req, rid: str, created: int,
     if error is not None:
         raise error
     resp = await request.respond(content_type=stream.CONTENT_TYPE, headers=stream.HEADERS)
-    first, offset, finals, produced = [True] * count, [0] * count, {}, 0
+    first, offset, finals, produced, cached = [True] * count, [0] * count, {}, 0, {}
     prompt_tokens = sum(len(p) for p in prompts)
     if req.echo:  # each choice's first chunk starts with its prompt
         for i in range(count):
@@ -215,8 +226,9 @@ async def _send_stream(request, merged, count: int, req, rid: str, created: int,
             finish = final.finish_reason if final is not None else None
             chunk = protocol.stream_chunk(rid, created, req, index, text, finish, first[index], logprobs)
             produced += len(ids)
+            cached[index] = outs[-1].cached_tokens
             if req.continuous_usage:
-                chunk["usage"] = protocol.usage(prompt_tokens, produced)
+                chunk["usage"] = protocol.usage(prompt_tokens, produced, _cached(req, cached))
             await resp.send(stream.event(chunk))
             first[index] = False
         if final is not None:
@@ -225,8 +237,6 @@ async def _send_stream(request, merged, count: int, req, rid: str, created: int,
                 break
         index, outs = await merged.get()
     if req.include_usage:
-        await resp.send(
-            stream.event(protocol.usage_chunk(rid, created, req, _usage(req, prompts, finals.values())))
-        )
+        await resp.send(stream.event(protocol.usage_chunk(rid, created, req, _usage(req, prompts, finals))))
     await resp.send(stream.DONE)
     await resp.eof()

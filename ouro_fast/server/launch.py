@@ -59,8 +59,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         if default is not None:
             help_text += f", default {default}"
         flag = "--" + f.name.replace("_", "-")
+        if "bool" in str(f.type):
+            no_flag = "--no-" + flag[2:]
+            parser.add_argument(flag, no_flag, dest=f.name, action=_BoolOption, nargs="?", default=None,
+                                metavar=_metavar(f), help=help_text)  # fmt: skip
+            continue
         parser.add_argument(flag, dest=f.name, default=None, metavar=_metavar(f), help=help_text)
     parser.set_defaults(func=serve)
+
+
+class _BoolOption(argparse.Action):
+    """A boolean option as vLLM spells them: --x (true), --no-x (false), or --x BOOL."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if option_string.startswith("--no-"):
+            if value is not None:
+                parser.error(f"{option_string} takes no value")
+            value = "false"
+        setattr(namespace, self.dest, "true" if value is None else value)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -223,5 +223,11 @@ def _engine_counters(eng: EngineSnapshot) -> tuple:
          "Run-ahead steps where some row exited; the others skip the lm_head's weight stream.",
          eng.run_ahead_exit_steps),
         ("vllm:num_preemptions_total", "Requests preempted to free KV (vLLM's name).", eng.preemptions),
+        ("vllm:prefix_cache_queries_total",
+         "Prefix cache queries, in tokens: the known tokens of each admission that looked the cache up.",
+         eng.prefix_cache_queries),
+        ("vllm:prefix_cache_hits_total",
+         "Prefix cache hits, in tokens: prompt tokens whose K/V admissions reused (every loop's plane).",
+         eng.prefix_cache_hits),
         ("ouro_fast:owner_wakeups_total", "Loop iterations of the engine-owner thread.", eng.wakeups),
     )  # fmt: skip

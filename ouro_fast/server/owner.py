@@ -64,6 +64,8 @@ class EngineSnapshot:
     refills: int = 0
     preemptions: int = 0
     prefill_tokens: int = 0  # prompt tokens computed (a prompt that choices share counts its blocks once)
+    prefix_cache_queries: int = 0  # known tokens of admissions that looked the prefix cache up
+    prefix_cache_hits: int = 0  # tokens those admissions reused from it
     run_ahead_steps: int = 0  # steps the device drove (decode lanes launched before their exits were read)
     run_ahead_runs: int = 0  # times run-ahead started
     run_ahead_riders: int = 0  # prompts that rode in run-ahead lanes (their arrival did not end the run)
@@ -361,6 +363,7 @@ class EngineOwner:
             steps=self._steps, step_failures=self._failures,
             refills=stats.total_refills, preemptions=stats.total_preemptions,
             prefill_tokens=stats.total_prefill_tokens,
+            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
             run_ahead_steps=getattr(ahead, "total_launches", 0), run_ahead_runs=getattr(ahead, "runs", 0),
             run_ahead_riders=getattr(ahead, "total_riders", 0),
             run_ahead_exit_steps=getattr(ahead, "exit_launches", 0),

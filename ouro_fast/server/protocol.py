@@ -449,11 +449,13 @@ def dumps(obj: object) -> str:
     return ujson.dumps(obj, ensure_ascii=True, escape_forward_slashes=False)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens whose K/V came from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
