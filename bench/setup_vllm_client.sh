@@ -13,7 +13,7 @@
 # Then:   VLLM_TARGET_DEVICE=cpu $CLIENT_VENV/bin/python -m vllm.entrypoints.cli.main bench serve ...
 #
 # On the GPU machine (no network) use bench/gpu/device-wheels.sh instead:
-# run it here in the repo root, carry .device-wheels/ with the project, and there
+# run it here in the repo root, copy .device-wheels/ with the project, and there
 #   eval $(bash .device-wheels/install.sh)
 #   python3 -m vllm.entrypoints.cli.main bench serve ...
 set -euo pipefail

@@ -11,7 +11,7 @@
 # crick, cyclopts, ruamel.yaml and pydantic-settings (python-dotenv) even for a text benchmark.
 #
 # A wheel that .device-wheels/ (bench/gpu/device-wheels.sh: Sanic and the vLLM client) already
-# holds in the same version is not copied: wheels.txt names it there instead. Carry both folders.
+# holds in the same version is not copied: wheels.txt names it there instead. Copy both folders there.
 #
 #   bash bench/aiperf/device-wheels.sh           # here, from the repo root; prints the folder's size
 #   bash .aiperf-wheels/install.sh               # there: installs into /tmp/aiperf-site (AIPERF_SITE)
@@ -64,7 +64,7 @@ cd "$(dirname "$0")/.."
 SITE=${AIPERF_SITE:-/tmp/aiperf-site}
 PY=${PYTHON:-python3}
 mapfile -t wheels < .aiperf-wheels/wheels.txt
-for w in "${wheels[@]}"; do [ -f "$w" ] || { echo "missing $w (carry .aiperf-wheels and .device-wheels)" >&2; exit 1; }; done
+for w in "${wheels[@]}"; do [ -f "$w" ] || { echo "missing $w (copy .aiperf-wheels and .device-wheels to the machine)" >&2; exit 1; }; done
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
 PYTHONPATH=$SITE "$PY" -m aiperf --version
 INNER

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The AIPerf scenarios on the GPU machine in one device call (about 5 minutes, at most ~8): install the
+# The AIPerf scenarios on the GPU machine in one run (about 5 minutes, at most ~8): install the
 # carried wheels (Sanic from .device-wheels into /tmp/site; AIPerf from .aiperf-wheels into
 # /tmp/aiperf-site, run through a launcher that sees only that folder and the image), then
 # bench/aiperf/run.py on the ouro-1.4b preset (random bf16 weights generated into /tmp/serve-ckpt, shared
 # with bench/gpu/serve_gpu.sh; not measured): every scenario at full depth with each scenario's request
 # count x SCALE, then EXIT_SCENARIOS again at exit_threshold THRESHOLD. Every run is validated.
 #
-# Device call, from the repo root, after `python3 -m pip install --no-build-isolation --no-deps .`,
-# carrying .device-wheels (bench/gpu/device-wheels.sh) and .aiperf-wheels (bench/aiperf/device-wheels.sh):
+# On the GPU machine, from the repo root, after `python3 -m pip install --no-build-isolation --no-deps .`,
+# with .device-wheels (bench/gpu/device-wheels.sh) and .aiperf-wheels (bench/aiperf/device-wheels.sh) copied there:
 #   COMMIT=<sha>[+dirty] bash bench/aiperf/run_gpu.sh
 # Writes to $OUT (default bench/results/aiperf-gpu-<UTC time>, git-ignored): aiperf.tgz (both results
 # folders: manifests, AIPerf's summaries and records, server logs) and, in aiperf/, summary-full.md,

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks in one device call (about 6-8 minutes): install the carried wheels, build the
+# The GPU checks in one run (about 6-8 minutes): install the carried wheels, build the
 # project, run the GPU tests (kernels vs PyTorch, the Triton runner vs the torch runner, grammar masks on
 # the device), then bench/gpu/engine_probe.py once per probe setting (by default: run-ahead as served,
 # and off), so the step times can be compared on one machine in one call.
 #
-# Device call (repo root, carry .device-wheels; bench/gpu/device-wheels.sh builds it):  bash bench/gpu/check_gpu.sh
+# On the GPU machine (repo root, with .device-wheels copied there; bench/gpu/device-wheels.sh builds it):  bash bench/gpu/check_gpu.sh
 # Writes to $OUT (default bench/results/check-gpu-<UTC time>, git-ignored): check_gpu.log (everything
 # printed), pytest.xml and engine_probe_<tag>.json per probe. Settings: TESTS (the test files, or none),
 # PROBES ("ahead noahead": run-ahead on, and off; "fullahead": run-ahead at full depth too; or

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The serving matrix on the H200 against vLLM 0.26.0 serving the same shape on the same machine, in device
 # calls that follow each other while the machine stays warm (it keeps /tmp between calls):
-#   1. STAGE=part PART=1 (carry .vllm-bundle/p1), then STAGE=part PART=2 (carry .vllm-bundle/p2):
+#   1. STAGE=part PART=1 (with .vllm-bundle/p1 copied there), then STAGE=part PART=2 (with .vllm-bundle/p2):
 #      stage the parts that bench/vllm/bundle.sh built; the last part unpacks vLLM into /tmp/vllm-store.
-#   2. STAGE=ouro (carry .device-wheels): build ouro_fast, serve the ouro-1.4b preset, run every workload
+#   2. STAGE=ouro (with .device-wheels): build ouro_fast, serve the ouro-1.4b preset, run every workload
 #      of bench/matrix.py at full depth and with exit_threshold 0.5.
 #   3. STAGE=vllm: vLLM serves the same shape (dummy weights, its defaults), the same workloads, then the
 #      summary (bench/matrix.py report) with every ratio taken against vLLM.

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The serving benchmark on the GPU machine, in one device call (about 4-6 minutes, at most ~8):
+# The serving benchmark on the GPU machine, in one run (about 4-6 minutes, at most ~8):
 # install the carried wheels, build the project, then bench/serve_bench.py on the ouro-1.4b preset
 # (random bf16 weights, generated into /tmp; not measured) with the vLLM 0.33.0 client from the wheels:
 # full depth at concurrency 1 (32 prompts) and 8 (64), a Poisson run at 4 requests/s (64), and
 # exit_threshold 0.5 (through --extra-body, same server) at concurrency 1 and 8.
 #
-# Device call (repo root, carry .device-wheels; bench/gpu/device-wheels.sh builds it):
+# On the GPU machine (repo root, with .device-wheels copied there; bench/gpu/device-wheels.sh builds it):
 #   COMMIT=<sha>[+dirty] bash bench/gpu/serve_gpu.sh
-# Writes to $OUT (default bench/results/serve-gpu-<UTC time>, git-ignored; only a few files and two
-# folder levels come back from a device call): summary.md (the table, and the validation errors if any),
+# Writes to $OUT (default bench/results/serve-gpu-<UTC time>, git-ignored; few files and at most two
+# folder levels, so that the results are easy to copy back): summary.md (the table, and the validation errors if any),
 # manifest.json, results.tgz (every raw client JSON, logs, the server log) and serve_gpu.log. Exit
 # status: serve_bench's (1 if any run failed validation).
 #

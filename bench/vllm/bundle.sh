@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build vLLM 0.26.0 for the H200 machine (Python 3.12, torch 2.11, no network) as a bundle split in parts
-# small enough to travel one per device call. vLLM 0.26.0 is the newest release built for torch 2.11.
+# small enough to copy to the machine one at a time. vLLM 0.26.0 is the newest release built for torch 2.11.
 #   bash bench/vllm/bundle.sh [OUT] [PARTS]      # OUT default .vllm-bundle (git-ignored), PARTS default 2
 # OUT/p1 .. OUT/pN each hold one part; bench/gpu/matrix.sh stages them on the machine and unpacks.
 # Needs pip access to PyPI here; about 85 MB of parts.
@@ -25,7 +25,7 @@ DEPS=(fastapi==0.136.3 starlette==1.7.0 pydantic==2.13.4 pydantic-core==2.46.4 a
 mkdir -p "$work/whl" "$work/site"
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$work/whl" vllm==0.26.0 "${DEPS[@]}"
 # Unpack vLLM without what a dense bf16 model on FlashAttention 3 never loads (FA2, MoE and MLA kernels,
-# deep_gemm for other Pythons, the Rust front end): the bundle would not fit the device calls otherwise.
+# deep_gemm for other Pythons, the Rust front end): the bundle would be too large to copy otherwise.
 "$PY" - "$work/whl"/vllm-0.26.0-*.whl "$work/site" <<'PY'
 import os, re, sys, zipfile
 skip = re.compile(r"^vllm/(vllm_flash_attn/_vllm_fa2_C\.abi3\.so|_moe_C_stable_libtorch\.abi3\.so|vllm-rs"
