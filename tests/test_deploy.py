@@ -225,21 +225,30 @@ def test_sigkill_fails_only_the_requests_in_flight_on_that_replica(cluster):
     victim = cluster.replicas[1]
     killed = {}
     kill_once = threading.Lock()
+    stop = threading.Event()
 
     def kill_midway(done: int) -> None:
-        # SIGKILL after 60 answers, with requests in flight on both replicas.
+        # SIGKILL after 60 answers, with requests in flight on both replicas; the load goes on until
+        # 32 more answers came after HAProxy marked the replica DOWN.
         if done >= 60 and kill_once.acquire(blocking=False):
-            killed["sent"] = time.monotonic()
-            victim.proc.send_signal(signal.SIGKILL)
-            victim.proc.wait(30)
-            killed["dead"] = time.monotonic()
-            killed["down"] = cluster.balancer.wait_status("replica-1", "DOWN")
+            try:
+                killed["sent"] = time.monotonic()
+                victim.proc.send_signal(signal.SIGKILL)
+                victim.proc.wait(30)
+                killed["dead"] = time.monotonic()
+                killed["down"] = cluster.balancer.wait_status("replica-1", "DOWN")
+                killed["answers_at_down"] = done
+            finally:
+                if "down" not in killed:
+                    stop.set()
+        elif "answers_at_down" in killed and done >= killed["answers_at_down"] + 32:
+            stop.set()
 
     try:
         outcomes = run_load(
-            cluster.balancer.url + "/v1/completions", concurrency=16, count=200, on_done=kill_midway
+            cluster.balancer.url + "/v1/completions", concurrency=16, stop=stop, on_done=kill_midway
         )
-        assert "down" in killed, "the replica was never killed"
+        assert "down" in killed, "the replica was never marked DOWN"
         failed = failures(outcomes)
         assert failed, "no request was in flight on the killed replica: the test tested nothing"
         for o in failed:
