@@ -38,6 +38,8 @@ class EngineConfig:
     run_ahead_full_depth: bool = True
     run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
     compile_threads: int | None = None  # start-up kernel compiles in parallel; None: the CPUs, at most 16
+    # "fp8": the layers' linear weights in float8 e4m3, a scale per output row (model/quantization.py).
+    quantization: str | None = None
     # TEST-ONLY: "STAGE:SEED@TOKENS,..." makes a step stage raise for chosen requests (engine/faults.py).
     test_faults: str = ""
     # Seconds a request may wait before its first step; then it ends "abort" with an error. None: forever.

@@ -30,6 +30,7 @@ from ..model.checkpoints import default_model_dir
 from ..model.config import OuroConfig
 from ..model.exit_rule import log_one_minus
 from ..model.ouro import OuroForCausalLM
+from ..model.quantization import check_quantization, weight_bytes
 from ..model.tokenizer import OuroTokenizer
 from ..model.weights import load_config, load_generation_eos, load_weights
 from .config import EngineConfig
@@ -112,19 +113,30 @@ class Engine:
         self.stats = StepStats(num_loops=self.num_loops)
         self.load_seconds = time.monotonic() - t0
         logger.info(
-            "engine ready in %.2fs: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
-            self.load_seconds, self.model_dir, self.device, self.dtype, self.scheduler.num_blocks,
-            cfg.block_size, self.max_model_len,
+            "engine ready in %.2fs: %s (%s, %s%s), weights %.2f GiB, %d KV blocks of %d tokens, "
+            "max_model_len %d",
+            self.load_seconds, self.model_dir, self.device, self.dtype,
+            f", {cfg.quantization} weights" if cfg.quantization else "", self.weight_bytes / 2**30,
+            self.scheduler.num_blocks, cfg.block_size, self.max_model_len,
         )  # fmt: skip
 
     # ---- construction ----------------------------------------------------------
 
     def _load_model(self) -> OuroForCausalLM:
+        scheme = self.config.quantization
+        check_quantization(scheme)
+        cuda = self.device.type == "cuda"
+        if scheme == "fp8" and cuda and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError("quantization fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper)")
         with torch.device("meta"):
             model = OuroForCausalLM(self.model_config)
         load_weights(model, self.model_dir, self.model_config, self.dtype, self.device)
         if self.runner_kind == "triton":
             model.fuse()  # one qkv and one gate_up matmul per layer
+        model.quantize(scheme)
+        if cuda:
+            torch.cuda.empty_cache()  # the replaced weights' memory goes to the KV cache
+        self.weight_bytes = weight_bytes(model)
         return model.eval()
 
     def _run_ahead_wanted(self) -> bool:

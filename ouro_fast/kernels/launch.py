@@ -28,6 +28,19 @@ def check_float(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
 
 
+def check_fp8_weight(w: torch.Tensor, scale: torch.Tensor) -> None:
+    """Raise ValueError unless w is a contiguous float8_e4m3fn [N, K] and scale a float32 [N] beside it."""
+    if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or not w.is_contiguous():
+        raise ValueError(
+            f"an FP8 weight must be contiguous float8_e4m3fn [N, K], got {w.dtype} {tuple(w.shape)}"
+        )
+    if scale.dtype != torch.float32 or scale.shape != w.shape[:1] or scale.device != w.device:
+        raise ValueError(
+            f"an FP8 weight's scale must be float32 [{w.shape[0]}] on {w.device}, "
+            f"got {scale.dtype} {tuple(scale.shape)} on {scale.device}"
+        )
+
+
 def check_same_dtype(**tensors: torch.Tensor) -> None:
     """Raise ValueError unless every tensor has the same dtype."""
     dtypes = {name: t.dtype for name, t in tensors.items()}

@@ -28,7 +28,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .launch import ArrivalCounters, check_float, check_same_dtype, interpreting, next_pow2, sm_count
+from .launch import (
+    ArrivalCounters,
+    check_float,
+    check_fp8_weight,
+    check_same_dtype,
+    interpreting,
+    next_pow2,
+    sm_count,
+)
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 from .swiglu import silu_and_mul, silu_mul
@@ -90,11 +98,11 @@ def _dot_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constex
     x_ptrs += BLOCK_K
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs)
+            w = tl.load(w_ptrs).to(w_first.dtype)
             xt = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
         else:
             k_ok = k + offs_k < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(w_first.dtype)
             xt = _load_x(x_ptrs, k_ok[:, None], SILU_MUL_OFF, w.dtype, INTERPRETED)
         acc = _dot(w, xt, acc, DOT_PRECISION, DOT_UPCAST)
         w_ptrs += BLOCK_K
@@ -124,11 +132,11 @@ def _fma_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constex
     x_ptrs += BLOCK_K
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs)
+            w = tl.load(w_ptrs).to(w_first.dtype)
             x = _load_x(x_ptrs, None, SILU_MUL_OFF, w.dtype, INTERPRETED)
         else:
             k_ok = k + offs_k < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(w_first.dtype)
             x = _load_x(x_ptrs, k_ok[None, :], SILU_MUL_OFF, w.dtype, INTERPRETED)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
@@ -139,7 +147,8 @@ def _fma_partial(w_first, w_ptrs, x_ptrs, k_start, k_end, K, BLOCK_N: tl.constex
 @triton.jit
 def _load_first_w(w_ptrs, k_start, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # The CTA's first weight chunk (zeros for an empty K range). With EVEN_K a chunk is wholly in or
-    # out, so the mask is uniform along K and the load stays vectorised.
+    # out, so the mask is uniform along K and the load stays vectorised. FP8 weights stay FP8 here:
+    # the caller widens them after the PDL wait is issued.
     if EVEN_K:
         return tl.load(w_ptrs, mask=(tl.full([BLOCK_K], 0, tl.int32) + k_start < k_end)[None, :], other=0.0)
     else:
@@ -155,6 +164,7 @@ def _skinny_kernel(
     ws_ptr,
     cnt_ptr,
     gate_ptr,
+    scale_ptr,
     M,
     N,
     K,
@@ -175,6 +185,7 @@ def _skinny_kernel(
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
     GATED: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of every row, over K range pid_k.
     pid_n = tl.program_id(0)
@@ -197,6 +208,8 @@ def _skinny_kernel(
     else:
         w_first = _load_first_w(w_ptrs, k_start, k_end, BLOCK_K, EVEN_K)
         pdl_enter(USE_PDL)
+    # FP8 weights are widened to the activations' dtype (exactly: e4m3 fits bf16, fp16 and fp32).
+    w_first = w_first.to(x_ptr.dtype.element_ty)
     x_rows = tl.minimum(offs_m, M - 1)
     if USE_DOT:
         x_ptrs = x_ptr + x_rows[None, :] * stride_xm + (k_start + offs_k)[:, None]
@@ -208,6 +221,9 @@ def _skinny_kernel(
                            SILU_MUL_OFF, INTERPRETED)  # fmt: skip
 
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SCALED:
+        # One scale per output column (FP8 weights): it factors out of the sum over K.
+        acc = acc * tl.load(scale_ptr + offs_n % N)[None, :]
     o_ptrs = o_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
         tl.store(o_ptrs, round_to(acc, o_ptr.dtype.element_ty, INTERPRETED), mask=mask)
@@ -302,6 +318,7 @@ def skinny_linear(
     config: dict | None = None,
     silu_mul: bool = False,
     row_gate: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> out [M, N] in x's dtype, fp32 accumulation, rounded once.
 
@@ -315,10 +332,15 @@ def skinny_linear(
     to the two launches). row_gate (int32 [M], on the device, Triton kernel only): when
     every entry is 0 the launch reads no weight and `out` is left as it was, else it is
     computed for every row; so a captured launch can skip work no row needs.
+    w_scale (fp32 [N]): w is FP8 (float8_e4m3fn) and column n of the product is scaled by w_scale[n]
+    before the rounding (Triton kernel only: a larger M is fp8.fp8_linear's).
     """
     check_float("x", x)
-    check_float("w", w)
-    check_same_dtype(x=x, w=w)
+    if w_scale is None:
+        check_float("w", w)
+        check_same_dtype(x=x, w=w)
+    else:
+        check_fp8_weight(w, w_scale)
     k_in = 2 * w.shape[-1] if silu_mul else w.shape[-1]
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != k_in:
         raise ValueError(f"need x [M, {k_in}] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -332,6 +354,8 @@ def skinny_linear(
     if row_gate is not None and (row_gate.shape != (m,) or row_gate.dtype != torch.int32):
         raise ValueError(f"row_gate must be int32 [{m}], got {row_gate.dtype} {tuple(row_gate.shape)}")
     if m > SKINNY_MAX_M and config is None:
+        if w_scale is not None:
+            raise ValueError(f"FP8 weights need the Triton kernel here: at most {SKINNY_MAX_M} rows, got {m}")
         if row_gate is not None:
             raise ValueError(f"row_gate needs the Triton kernel: at most {SKINNY_MAX_M} rows, got {m}")
         a = silu_and_mul(x) if silu_mul else x
@@ -344,12 +368,12 @@ def skinny_linear(
     cfg = config or skinny_config(n, k, m, sm_count(x.device))
     if row_gate is not None and cfg["SPLIT_K"] > 1 and not cfg["FUSED_REDUCE"]:
         raise ValueError("row_gate needs SPLIT_K 1 or FUSED_REDUCE (a second pass would not see the gate)")
-    _launch(x, w, out, cfg, k if silu_mul else 0, row_gate)
+    _launch(x, w, out, cfg, k if silu_mul else 0, row_gate, w_scale)
     return out
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu_mul_off: int,
-            gate: torch.Tensor | None) -> None:  # fmt: skip
+            gate: torch.Tensor | None, w_scale: torch.Tensor | None) -> None:  # fmt: skip
     m, (n, k) = x.shape[0], w.shape
     block_n, block_k, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot, fused = cfg["USE_DOT"], cfg["FUSED_REDUCE"]
@@ -361,13 +385,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, silu
     counters = _COUNTERS.get(x.device, n_tiles) if split > 1 and fused else out
     interp, pdl = interpreting(), pdl_launch(x.device)
     _skinny_kernel[(n_tiles, split)](
-        x, w, out, ws, counters, out if gate is None else gate, m, n, k, k_per_split,
+        x, w, out, ws, counters, out if gate is None else gate, out if w_scale is None else w_scale,
+        m, n, k, k_per_split,
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, FUSED_REDUCE=fused,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=use_dot and interp and x.dtype != torch.float32, SILU_MUL_OFF=silu_mul_off,
-        INTERPRETED=interp, GATED=gate is not None,
+        INTERPRETED=interp, GATED=gate is not None, SCALED=w_scale is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )  # fmt: skip
     if split > 1 and not fused:

@@ -33,6 +33,16 @@ TC_PACE_BESIDE = 2
 # beside the matmul's (loop at 4 / 8 rows 0.991 / 1.038 ms against 1.054 / 1.078 with 128).
 TC_MAXNREG = {8: 112, 16: 128}
 
+# ---- FP8 weights (fp8.py) ----
+
+# Tiles of the FP8 matmul for more than SKINNY_MAX_M rows (prompt chunks), by the rows they serve up to:
+# (max rows, (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)). Triton's usual Hopper tiles for
+# a bf16 tl.dot; the FP8 weight tile is widened in registers and takes half the shared memory of bf16's.
+FP8_GEMM_TILES: tuple[tuple[float, tuple[int, ...]], ...] = (
+    (64, (64, 128, 64, 8, 4, 4)),
+    (float("inf"), (128, 128, 64, 8, 8, 3)),
+)
+
 # ---- Triton skinny matmul (skinny_gemm) ----
 
 # Rows above which a matmul is no longer weight-bound: cuBLAS (F.linear) takes over.

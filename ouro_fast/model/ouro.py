@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import OuroConfig
+from .quantization import Fp8Linear, Fp8Weight, check_quantization, linear, quantize_fp8
 
 
 class RMSNorm(nn.Module):
@@ -57,7 +58,7 @@ class OuroAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
-        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): one matmul instead of three
+        self.qkv_weight: torch.Tensor | Fp8Weight | None = None  # set by fuse(): one matmul instead of three
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one concatenated weight (same results, fewer kernels)."""
@@ -68,7 +69,7 @@ class OuroAttention(nn.Module):
         n = x.shape[0]
         hq, hkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight).split((hq, hkv, hkv), dim=-1)
+            q, k, v = linear(x, self.qkv_weight).split((hq, hkv, hkv), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -87,7 +88,7 @@ class OuroMLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
-        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+        self.gate_up_weight: torch.Tensor | Fp8Weight | None = None  # set by fuse()
 
     def fuse(self) -> None:
         self.gate_up_weight = torch.cat((self.gate_proj.weight, self.up_proj.weight)).detach()
@@ -95,7 +96,7 @@ class OuroMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -144,6 +145,25 @@ class OuroForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def quantize(self, scheme: str | None) -> None:
+        """Quantize every layer's q/k/v/o and gate/up/down weights (model/quantization.py); None: no-op.
+        Call after loading (and fuse(), which it keeps). The replaced weights are freed."""
+        check_quantization(scheme)
+        if scheme is None:
+            return
+        attn_parts, mlp_parts = (
+            ("q_proj", "k_proj", "v_proj", "o_proj"),
+            ("gate_proj", "up_proj", "down_proj"),
+        )
+        for layer in self.model.layers:
+            for block, fused, parts in ((layer.self_attn, "qkv_weight", attn_parts),
+                                        (layer.mlp, "gate_up_weight", mlp_parts)):  # fmt: skip
+                if getattr(block, fused) is not None:
+                    setattr(block, fused, quantize_fp8(getattr(block, fused)))
+                for name in parts:
+                    if hasattr(block, name):
+                        setattr(block, name, Fp8Linear(quantize_fp8(getattr(block, name).weight)))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(token_ids)

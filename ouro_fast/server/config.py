@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..model.quantization import QUANTIZATIONS
+
 ENV_PREFIX = "OURO_FAST_"
 # The name the embedded default model (random weights) is served under.
 DEFAULT_MODEL_NAME = "ouro-tiny-random"
@@ -30,6 +32,7 @@ class ServerConfig:
     model: str | None = None  # a checkpoint directory; None serves the embedded default
     served_model_name: tuple[str, ...] = ()  # names a request's "model" may use; default: model as given
     dtype: str = "auto"
+    quantization: str | None = None  # "fp8": linear weights in float8 e4m3 (model/quantization.py)
     device: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -104,8 +107,8 @@ class ServerConfig:
     def engine_options(self) -> dict:
         """Keyword arguments of ouro_fast.engine.engine.EngineConfig."""
         names = (
-            "model", "dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
-            "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
+            "model", "dtype", "quantization", "device", "max_num_seqs", "max_num_batched_tokens",
+            "max_waiting", "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
             "cuda_graphs", "enable_prefix_caching", "refill", "run_ahead", "run_ahead_full_depth",
             "run_ahead_depth", "compile_threads", "cpu_threads", "test_faults", "queue_timeout",
         )  # fmt: skip
@@ -142,6 +145,10 @@ class ServerConfig:
             raise ConfigError(f"{env_name('runner')} must be auto, torch or triton, got {self.runner!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"{env_name('dtype')} must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ConfigError(
+                f"{env_name('quantization')} must be {' or '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"{env_name('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -213,6 +220,8 @@ OPTION_HELP = {
     "model": "checkpoint directory (default: the embedded tiny model with random weights)",
     "served_model_name": "comma-separated names clients may use as 'model' (default: --model as given)",
     "dtype": "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
+    "quantization": "fp8: the layers' linear weights in float8 e4m3 with a scale per output row, "
+    "quantized at load (half the weight bytes; default: the checkpoint's dtype)",
     "device": "auto, cpu, cuda or cuda:N",
     "max_num_seqs": "requests holding KV at once: rows per engine step",
     "max_num_batched_tokens": "tokens per engine step, prompt chunks included",

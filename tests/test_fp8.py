@@ -1,0 +1,257 @@
+"""FP8 weights: the quantization, the kernels against the PyTorch reference, the model and the engine.
+
+On a CPU-only machine the kernels run under TRITON_INTERPRET=1; on a Hopper GPU the same tests run the
+compiled kernels, and the engine test also captures and replays their CUDA graphs.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
+
+from ouro_fast.engine.engine import Engine, EngineConfig  # noqa: E402
+from ouro_fast.engine.sampling import SamplingParams  # noqa: E402
+from ouro_fast.kernels import silu_and_mul  # noqa: E402
+from ouro_fast.kernels.fp8 import fp8_linear, tiled_fp8_linear  # noqa: E402
+from ouro_fast.kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear  # noqa: E402
+from ouro_fast.model.checkpoints import PRESETS  # noqa: E402
+from ouro_fast.model.ouro import OuroForCausalLM  # noqa: E402
+from ouro_fast.model.quantization import (  # noqa: E402
+    FP8_MAX,
+    Fp8Linear,
+    Fp8Weight,
+    quantize_fp8,
+    reference_linear,
+    weight_bytes,
+)
+from ouro_fast.server.config import ConfigError, ServerConfig  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+N, K = 70, 200  # K is no multiple of any BLOCK_K: the last chunk is masked
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEV)
+
+
+def weight(n=N, k=K, seed=2) -> Fp8Weight:
+    # Rows of very different magnitudes: each gets its own scale.
+    rows = torch.logspace(-3, 1, n)[:, None]
+    return quantize_fp8((torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * rows).to(DEV))
+
+
+# ---- quantization ----
+
+
+def test_each_row_is_scaled_to_the_format_range_and_rounds_to_nearest():
+    w = randn(N, K, seed=1) * torch.logspace(-4, 2, N, device=DEV)[:, None]
+    q = quantize_fp8(w)
+    assert q.data.dtype == torch.float8_e4m3fn and q.data.shape == (N, K) and q.scale.shape == (N,)
+    # Each row's largest magnitude lands on e4m3's largest value, so it comes back (nearly) exactly.
+    assert torch.equal(q.data.float().abs().amax(dim=1), torch.full((N,), FP8_MAX, device=DEV))
+    torch.testing.assert_close(q.dequantize().abs().amax(dim=1), w.abs().amax(dim=1), rtol=1e-6, atol=0)
+    # Round to nearest with 3 mantissa bits: half an ulp is 2^-4 relative for normal values; values
+    # below e4m3's smallest normal (2^-6 times the scale) have an absolute step of 2^-9 times the scale.
+    err = (q.dequantize() - w).abs()
+    bound = torch.maximum(w.abs() * 2.0**-4, q.scale[:, None] * 2.0**-10) * (1 + 1e-6)
+    assert (err <= bound).all()
+
+
+def test_zero_rows_and_dtypes():
+    w = randn(4, 32, dtype=torch.bfloat16, seed=3)
+    w[2] = 0
+    q = quantize_fp8(w)
+    assert torch.equal(q.data[2].float(), torch.zeros(32, device=DEV)) and q.scale[2] > 0
+    assert q.dequantize(torch.bfloat16).dtype == torch.bfloat16
+    assert q.nbytes == 4 * 32 + 4 * 4
+
+
+def test_bad_weights_are_refused():
+    with pytest.raises(ValueError, match=r"float weight \[N, K\]"):
+        quantize_fp8(torch.zeros(8))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        Fp8Weight(torch.zeros(4, 8), torch.ones(4))
+    with pytest.raises(ValueError, match=r"scale must be float32 \[4\]"):
+        Fp8Weight(torch.zeros(4, 8).to(torch.float8_e4m3fn), torch.ones(3))
+
+
+# ---- kernels against reference_linear ----
+
+
+def bound(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # One rounding to the output dtype plus fp32 summation-order noise (K terms of size ~|ref|).
+    ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    return ref.abs() * ulp + ref.abs().amax() * 1e-5 + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [1, 2, 7, SKINNY_MAX_M, SKINNY_MAX_M + 1, 90])
+def test_fp8_linear_matches_the_reference(m, dtype):
+    w, x = weight(), randn(m, K, dtype=dtype, seed=4)
+    got = fp8_linear(x, w.data, w.scale)
+    assert got.shape == (m, N) and got.dtype == dtype
+    want = F.linear(x.float(), w.data.float()) * w.scale
+    assert ((got.float() - want).abs() <= bound(want, dtype)).all()
+    # reference_linear is the same math, rounded once.
+    assert ((got.float() - reference_linear(x, w).float()).abs() <= 2 * bound(want, dtype)).all()
+
+
+@pytest.mark.parametrize("m", [3, 40])
+def test_silu_mul_prologue(m):
+    w, x = weight(), randn(m, 2 * K, dtype=torch.bfloat16, seed=5)
+    got = fp8_linear(x, w.data, w.scale, silu_mul=True)
+    want = F.linear(silu_and_mul(x).float(), w.data.float()) * w.scale
+    assert ((got.float() - want).abs() <= bound(want, torch.bfloat16)).all()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3, "USE_DOT": True, "FUSED_REDUCE": True},
+        {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3, "USE_DOT": True, "FUSED_REDUCE": False},
+        {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2, "USE_DOT": False, "FUSED_REDUCE": True},
+    ],
+    ids=["split-fused", "split-pass", "fma-split"],
+)
+def test_split_k_scales_every_partial(config):
+    # The scale multiplies each K range's partial sum: the split results agree with the unsplit one.
+    w, x = weight(), randn(5, K, dtype=torch.float32, seed=6)
+    got = skinny_linear(x, w.data, config={**config, "num_warps": 4, "num_stages": 2}, w_scale=w.scale)
+    whole = fp8_linear(x, w.data, w.scale)
+    assert ((got - whole).abs() <= bound(whole, torch.float32)).all()
+
+
+def test_row_gate_and_out_buffer():
+    w, x = weight(), randn(4, K, dtype=torch.bfloat16, seed=7)
+    out = torch.full((4, N), 7.0, dtype=torch.bfloat16, device=DEV)
+    closed = torch.zeros(4, dtype=torch.int32, device=DEV)
+    fp8_linear(x, w.data, w.scale, out=out, row_gate=closed)
+    assert (out == 7).all()  # no row needed it: the launch read no weight and wrote nothing
+    fp8_linear(x, w.data, w.scale, out=out, row_gate=closed + 1)
+    assert torch.equal(out, fp8_linear(x, w.data, w.scale))
+
+
+def test_kernel_inputs_are_checked():
+    w, x = weight(), randn(3, K, seed=8)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        skinny_linear(x, w.data.float(), w_scale=w.scale)
+    with pytest.raises(ValueError, match="scale must be float32"):
+        fp8_linear(x, w.data, w.scale.double())
+    with pytest.raises(ValueError, match="row_gate needs at most"):
+        fp8_linear(randn(20, K), w.data, w.scale, row_gate=torch.ones(20, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match=r"need x \[M, 200\]"):
+        tiled_fp8_linear(randn(20, K + 1), w.data, w.scale)
+
+
+# ---- the model ----
+
+
+def test_quantize_replaces_the_layer_weights_and_nothing_else():
+    cfg = PRESETS["tiny"]
+    torch.manual_seed(0)
+    plain, fused = OuroForCausalLM(cfg), OuroForCausalLM(cfg)
+    fused.load_state_dict(plain.state_dict())
+    fused.fuse()
+    before = weight_bytes(plain)
+    x = torch.randn(3, cfg.hidden_size)
+    ref = plain.model.layers[0].mlp(x)
+    plain.quantize("fp8")
+    fused.quantize("fp8")
+    for layer in plain.model.layers:
+        for mod in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj):
+            assert isinstance(mod, Fp8Linear)
+    for layer in fused.model.layers:
+        assert isinstance(layer.self_attn.qkv_weight, Fp8Weight) and isinstance(
+            layer.mlp.gate_up_weight, Fp8Weight
+        )
+        assert isinstance(layer.self_attn.o_proj.weight, Fp8Weight)
+    # Embedding, lm_head, norms and the exit gate keep their dtype.
+    assert {p.dtype for p in plain.parameters()} == {torch.float32}
+    linear_params = sum(
+        cfg.num_hidden_layers * n * k
+        for n, k in [(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)] * 2
+        + [(cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size)] * 2
+        + [(cfg.intermediate_size, cfg.hidden_size)] * 3
+    )
+    # Each fp32 weight (4 bytes) became one FP8 byte, plus a 4-byte scale per output row.
+    assert before - weight_bytes(plain) == 3 * linear_params - _scale_bytes(cfg)
+    assert weight_bytes(fused) == weight_bytes(plain)
+    # The quantized MLP is close to the fp32 one: e4m3's 2^-4 relative step, averaged over K terms.
+    got = plain.model.layers[0].mlp(x)
+    assert (got - ref).abs().max() <= 0.1 * ref.abs().max()
+    with pytest.raises(ValueError, match="quantization must be one of fp8"):
+        plain.quantize("int4")
+
+
+def _scale_bytes(cfg) -> int:
+    rows = cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim
+    rows += 2 * cfg.intermediate_size + 2 * cfg.hidden_size  # q, k, v; gate, up; o and down
+    return 4 * cfg.num_hidden_layers * rows
+
+
+# ---- the engine and its options ----
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 40))]
+
+
+def generate(engine, params):
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.request for o in engine.step() if o.finished})
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks
+    return [(done[str(i)].output_ids, done[str(i)].exit_loops) for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.5])
+def test_triton_runner_with_fp8_weights_matches_the_torch_runner(model_dir, threshold):
+    # The 30-token prompt runs in chunks of 24: the tiled kernel; decode steps run the skinny one.
+    params = SamplingParams(max_tokens=6, temperature=0, exit_threshold=threshold, ignore_eos=True)
+    opts = dict(model=model_dir, dtype="float32", quantization="fp8", max_num_batched_tokens=24)
+    want = generate(Engine(EngineConfig(runner="torch", device="cpu", **opts)), params)
+    engine = Engine(EngineConfig(runner="triton", **opts))
+    assert isinstance(engine.model.model.layers[0].self_attn.qkv_weight, Fp8Weight)
+    assert generate(engine, params) == want
+
+
+def test_fp8_engine_equals_the_model_with_the_rounded_weights(model_dir):
+    # The quantization is the only change: an unquantized engine whose layer weights are replaced by
+    # the FP8 values times their scales gives the same logits (up to fp32 summation order).
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    opts = dict(model=model_dir, dtype="float32", runner="torch", device="cpu", keep_logits=True)
+    fp8, rounded = Engine(EngineConfig(quantization="fp8", **opts)), Engine(EngineConfig(**opts))
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for quantized, plain in zip(fp8.model.model.layers, rounded.model.model.layers):
+        for block in ("self_attn", "mlp"):
+            for name in names:
+                if hasattr(getattr(plain, block), name):
+                    w = getattr(getattr(quantized, block), name).weight.dequantize()
+                    assert not torch.equal(w, getattr(getattr(plain, block), name).weight)
+                    getattr(getattr(plain, block), name).weight.data.copy_(w)
+    out = []
+    for engine in (fp8, rounded):
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.request for o in engine.step() if o.finished})
+        out.append([(done[str(i)].output_ids, torch.stack(done[str(i)].logits)) for i in range(len(PROMPTS))])
+    for (ids, got), (ids_ref, ref) in zip(*out):
+        assert ids == ids_ref
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert fp8.weight_bytes < rounded.weight_bytes
+
+
+def test_engine_and_server_options():
+    with pytest.raises(ValueError, match="quantization must be one of fp8"):
+        Engine(EngineConfig(quantization="int8", runner="torch", device="cpu"))
+    assert ServerConfig.from_env({"OURO_FAST_QUANTIZATION": "fp8"}).engine_options()["quantization"] == "fp8"
+    assert ServerConfig.from_env({}).engine_options()["quantization"] is None
+    with pytest.raises(ConfigError, match="OURO_FAST_QUANTIZATION must be fp8"):
+        ServerConfig.from_env({"OURO_FAST_QUANTIZATION": "awq"})
