@@ -3,7 +3,8 @@
 Builds the ouro-1.4b preset in memory (random bf16 weights; no checkpoint to write), a
 paged KV cache with every row at context ~`--context`, and times one loop over all
 layers captured in a CUDA graph (CUDA events over `--replays` replays) at each row
-count. `--prefill-tokens T ...` times a loop over a step that carries a prompt instead: `--prefill-lanes`
+count (`--quantization fp8`: with FP8 layer weights). `--prefill-tokens T ...` times a loop over a step
+that carries a prompt instead: `--prefill-lanes`
 decode rows and one `--prompt`-token prompt, padded to T tokens and 64 rows as the runner pads a riders'
 step (engine/gpu/riders.py), and the loop's cuBLAS matmuls alone at T rows.
 `--attn-config SPLITS:BLOCK_N[:WARPS] ...` times the loop again with the decode attention's split count,
@@ -28,8 +29,9 @@ import torch
 from ouro_fast.kernels import split_kv_attention as decode_attention
 from ouro_fast.model.checkpoints import PRESETS
 from ouro_fast.model.ouro import OuroForCausalLM
+from ouro_fast.model.quantization import Fp8Weight
 from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention
-from ouro_fast.model.triton_loop import run_loop_fused
+from ouro_fast.model.triton_loop import linear, run_loop_fused
 
 sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
 from replay_timing import capture, host_replay_us, replay_ms  # noqa: E402
@@ -77,9 +79,9 @@ def prefill_batch(
 
 
 def matmuls(model, x: torch.Tensor, xf: torch.Tensor) -> None:
-    """The loop's four matmuls a layer at x's row count, as the prefill path runs them (F.linear);
-    xf [rows, intermediate] stands in for down's input."""
-    f = torch.nn.functional.linear
+    """The loop's four matmuls a layer at x's row count, as the prefill path runs them (cuBLAS, or the
+    FP8 kernel); xf [rows, intermediate] stands in for down's input."""
+    f = linear
     for layer in model.model.layers:
         sa, mlp = layer.self_attn, layer.mlp
         f(x, sa.qkv_weight)
@@ -100,16 +102,20 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N[:WARPS] settings to time")
     ap.add_argument("--host-replay", action="store_true", help="also the host time of graph.replay()")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the layers' weights")
     args = ap.parse_args()
     model = build(args.preset)
+    model.quantize(None if args.quantization == "none" else args.quantization)
+    torch.cuda.empty_cache()
     cfg, page, max_blocks = model.config, 16, 64
     weights = sum(
-        t.numel() * t.element_size()
+        t.nbytes if isinstance(t, Fp8Weight) else t.numel() * t.element_size()
         for layer in model.model.layers
         for t in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
                   layer.mlp.down_proj.weight)
     )  # fmt: skip
-    out = {"tag": args.tag, "context": args.context, "floor_ms_4.8TBs": round(weights / 4.8e9, 4)}
+    out = {"tag": args.tag, "quantization": args.quantization, "context": args.context,
+           "floor_ms_4.8TBs": round(weights / 4.8e9, 4)}  # fmt: skip
     default = decode_attention.decode_config
     for setting in [""] + args.attn_config:
         decode_attention.decode_config = default if not setting else _forced(default, setting)
