@@ -4,7 +4,8 @@ Teacher-forced over one sequence of `--positions` random token ids: every varian
 through all four loops (the PyTorch model: the Triton kernels compute the same math, which
 tests/test_fp8.py checks), and at each position the full-depth logits and the exit depth are compared
 with fp32's:
-- top-1 agreement: the same argmax token;
+- top-1 agreement: the same argmax token (also of each loop's logits, to show how the difference grows
+  with depth);
 - mean KL(fp32 || variant) of the full-depth next-token distributions, in nats;
 - exit agreement: the same exit loop under `--exit-threshold` (from the four gate logits).
 Variants: bf16 (weights and activations) and fp8 (FP8 weights, bf16 activations). Memory: the weight
@@ -48,25 +49,27 @@ def load(model_dir: Path, dtype: torch.dtype, quantization: str | None, device: 
 
 @torch.inference_mode()
 def run(model: OuroForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-depth logits [P, vocab] (fp32) and gate logits [loops, P] of the teacher-forced ids."""
+    """Each loop's logits [loops, P, vocab] (fp32) and gate logits [loops, P] of the teacher-forced ids."""
     cfg = model.config
     n, loops = ids.shape[0], cfg.total_ut_steps
     dtype = model.model.embed_tokens.weight.dtype
     attn = ContiguousAttention(loops, cfg.num_hidden_layers, n, cfg.num_key_value_heads, cfg.head_dim,
                                dtype, ids.device)  # fmt: skip
     positions = torch.arange(n, device=ids.device)
-    h, gates = model.embed(ids), []
+    h, gates, logits = model.embed(ids), [], []
     for t in range(loops):
         attn.loop = t
         h = model.run_loop(h, positions, attn)
         gates.append(model.gate_logits(h))
-    return model.logits(h).float(), torch.stack(gates)
+        logits.append(model.logits(h).float())
+    return torch.stack(logits), torch.stack(gates)
 
 
 def compare(ref: tuple, got: tuple, vocab: int, threshold: float, cfg) -> dict:
-    (ref_logits, ref_gates), (logits, gates) = ref, got
-    ref_logits, logits = ref_logits[:, :vocab], logits[:, :vocab]
-    top1 = (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
+    (ref_all, ref_gates), (all_loops, gates) = ref, got
+    per_loop = (ref_all[..., :vocab].argmax(-1) == all_loops[..., :vocab].argmax(-1)).float().mean(-1)
+    ref_logits, logits = ref_all[-1, :, :vocab], all_loops[-1, :, :vocab]
+    top1 = per_loop[-1].item()
     kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(ref_logits, -1), log_target=True, reduction="none")
     exits = [
         [exit_loop(g[:, i].tolist(), threshold, 1, cfg.total_ut_steps) for i in range(g.shape[1])]
@@ -76,7 +79,8 @@ def compare(ref: tuple, got: tuple, vocab: int, threshold: float, cfg) -> dict:
     rel = ((logits - ref_logits).abs().amax(-1) / ref_logits.abs().amax(-1)).mean().item()
     mean_depth = sum(exits[1]) / len(exits[1]) + 1
     return {"top1_agreement": top1, "mean_kl": kl.sum(-1).mean().item(), "exit_agreement": same_exit,
-            "mean_exit_depth": mean_depth, "mean_rel_logit_error": rel}  # fmt: skip
+            "mean_exit_depth": mean_depth, "mean_rel_logit_error": rel,
+            "top1_agreement_by_loop": [round(v, 4) for v in per_loop.tolist()]}  # fmt: skip
 
 
 def kv_bytes_per_token(cfg, elem: int = 2) -> int:
@@ -126,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:8} {r['top1_agreement']:7.3f} {r['mean_kl']:10.2e} {r['exit_agreement']:10.3f} "
               f"{r['mean_exit_depth']:6.2f} {r['mean_rel_logit_error']:9.2e} "
               f"{sizes[name] / 2**30:8.3f} GiB")  # fmt: skip
+    for name, r in rows.items():
+        print(f"{name}: top-1 agreement of each loop's logits: {r['top1_agreement_by_loop']}")
     gained = report["kv_tokens_per_saved_bytes"]
     print(f"fp8 saves {saved / 2**30:.3f} GiB: room for {gained:,} more KV tokens (bf16 KV, every loop)")
     RESULTS.mkdir(exist_ok=True)
