@@ -745,3 +745,31 @@ def test_long_texts_go_through_the_tokenizer_entry_points_that_release_the_gil()
         and tok.decode(expected[:3]) == "the loop model"
     )
     assert calls == ["encode_batch", "encode", "decode_batch", "decode"]
+
+
+def test_outputs_channel_keeps_order_bounds_and_wakes_its_reader():
+    from ouro_fast.server.engine_client import Outputs
+
+    async def main():
+        box = Outputs(3)
+        reader = asyncio.ensure_future(box.take_all())
+        await asyncio.sleep(0)
+        assert not reader.done() and box.empty()  # waits for the first item
+        box.put_nowait("a")
+        box.put_nowait("b")
+        assert await reader == ["a", "b"] and box.empty()
+        for item in "xyz":
+            box.put_nowait(item)
+        with pytest.raises(asyncio.QueueFull):
+            box.put_nowait("over")  # maxsize unread items: the client fell behind
+        assert await box.take_all() == ["x", "y", "z"]
+        # A reader cancelled while it waits leaves the channel usable.
+        waiting = asyncio.ensure_future(box.take_all())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        box.put_nowait("after")
+        assert await box.take_all() == ["after"]
+
+    asyncio.run(main())

@@ -176,6 +176,15 @@ async def _stream(
     request, handles: list[RequestHandle], req: GenerateRequest, rid: str, decode, prompts: list
 ):
     created = int(time.time())
+    if len(handles) == 1:
+        # One choice: its outputs are read where they arrive (no task between them and the sender).
+        handle = handles[0]
+
+        async def receive() -> tuple[int, list]:
+            return 0, await handle.next()
+
+        await _send_stream(request, receive, 1, req, rid, created, decode, prompts)
+        return
     # One slot: a pump waits while the client reads slowly, so each choice's own bounded queue fills and
     # the engine client drops a client that falls behind, as it would with one choice.
     merged: asyncio.Queue = asyncio.Queue(maxsize=1)
@@ -189,14 +198,15 @@ async def _stream(
 
     pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
     try:
-        await _send_stream(request, merged, len(handles), req, rid, created, decode, prompts)
+        await _send_stream(request, merged.get, len(handles), req, rid, created, decode, prompts)
     finally:
         for task in pumps:
             task.cancel()
 
 
-async def _send_stream(request, merged, count: int, req, rid: str, created: int, decode, prompts: list):
-    index, outs = await merged.get()
+async def _send_stream(request, receive, count: int, req, rid: str, created: int, decode, prompts: list):
+    """Stream `count` choices whose outputs `receive()` returns as (choice index, outputs)."""
+    index, outs = await receive()
     # Errors before the first token are real HTTP errors: the response has not started.
     error = _failure(outs, False)
     if error is not None:
@@ -235,7 +245,7 @@ async def _send_stream(request, merged, count: int, req, rid: str, created: int,
             finals[index] = final
             if len(finals) == count:
                 break
-        index, outs = await merged.get()
+        index, outs = await receive()
     if req.include_usage:
         await resp.send(stream.event(protocol.usage_chunk(rid, created, req, _usage(req, prompts, finals))))
     await resp.send(stream.DONE)
