@@ -248,6 +248,15 @@ def test_fp8_engine_equals_the_model_with_the_rounded_weights(model_dir):
     assert fp8.weight_bytes < rounded.weight_bytes
 
 
+def test_llm_takes_the_option(model_dir):
+    from ouro_fast import LLM
+
+    llm = LLM(model_dir, quantization="fp8", runner="torch", device="cpu", dtype="float32")
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert isinstance(llm.engine.model.model.layers[0].mlp.down_proj.weight, Fp8Weight)
+
+
 def test_engine_and_server_options():
     with pytest.raises(ValueError, match="quantization must be one of fp8"):
         Engine(EngineConfig(quantization="int8", runner="torch", device="cpu"))
