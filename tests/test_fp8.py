@@ -264,3 +264,141 @@ def test_engine_and_server_options():
     assert ServerConfig.from_env({}).engine_options()["quantization"] is None
     with pytest.raises(ConfigError, match="OURO_FAST_QUANTIZATION must be fp8"):
         ServerConfig.from_env({"OURO_FAST_QUANTIZATION": "awq"})
+
+
+# ---- checkpoints stored in FP8 (compressed-tensors) ----
+
+COMPRESSED_TENSORS = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True},
+            "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True},
+        }
+    },
+    "ignore": ["lm_head"],
+}
+
+
+def write_fp8_checkpoint(src, dst, per_tensor=False, edit=None):
+    """src's checkpoint with every layer linear stored as FP8 and its weight_scale, as llm-compressor
+    writes it; `edit(tensors, config)` may spoil it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ouro_fast.model.keys import is_layer_linear
+
+    shutil.copytree(src, dst)
+    tensors = {}
+    for name, t in load_file(f"{dst}/model.safetensors").items():
+        if not is_layer_linear(name):
+            tensors[name] = t
+            continue
+        if per_tensor:
+            scale = t.float().abs().amax() / FP8_MAX
+            tensors[name] = (t.float() / scale).to(torch.float8_e4m3fn)
+            tensors[name + "_scale"] = scale.reshape(())
+        else:
+            q = quantize_fp8(t)
+            tensors[name], tensors[name + "_scale"] = q.data, q.scale[:, None]
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = COMPRESSED_TENSORS
+    if edit is not None:
+        edit(tensors, config)
+    save_file(tensors, f"{dst}/model.safetensors")
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def first_logits(engine) -> torch.Tensor:
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.request for o in engine.step() if o.finished})
+    return torch.stack([torch.stack(done[str(i)].logits) for i in range(len(PROMPTS))])
+
+
+def test_an_fp8_checkpoint_loads_as_load_time_quantization(model_dir, tmp_path):
+    stored = write_fp8_checkpoint(model_dir, tmp_path / "fp8")
+    opts = dict(dtype="float32", runner="torch", device="cpu", keep_logits=True)
+    engine = Engine(EngineConfig(model=stored, **opts))  # no option needed: the checkpoint says FP8
+    assert isinstance(engine.model.model.layers[1].self_attn.k_proj, Fp8Linear)
+    assert engine.quantization == "fp8"
+    assert Engine(EngineConfig(model=model_dir, **opts)).quantization is None
+    assert engine.model.model.embed_tokens.weight.dtype == torch.float32
+    want = first_logits(Engine(EngineConfig(model=model_dir, quantization="fp8", **opts)))
+    assert torch.equal(first_logits(engine), want)
+    # Asking for fp8 again changes nothing; the fused model concatenates the stored scales.
+    again = Engine(EngineConfig(model=stored, quantization="fp8", **opts))
+    assert torch.equal(first_logits(again), want)
+    again.model.fuse()
+    qkv = again.model.model.layers[0].self_attn.qkv_weight
+    assert isinstance(qkv, Fp8Weight) and qkv.scale.shape == (qkv.shape[0],)
+
+
+def test_an_fp8_checkpoint_on_the_triton_runner(model_dir, tmp_path):
+    stored = write_fp8_checkpoint(model_dir, tmp_path / "fp8")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    opts = dict(model=stored, dtype="float32", max_num_batched_tokens=24)
+    want = generate(Engine(EngineConfig(runner="torch", device="cpu", **opts)), params)
+    assert generate(Engine(EngineConfig(runner="triton", **opts)), params) == want
+
+
+def test_a_scale_for_the_whole_tensor(model_dir, tmp_path):
+    stored = write_fp8_checkpoint(model_dir, tmp_path / "fp8", per_tensor=True)
+    engine = Engine(EngineConfig(model=stored, dtype="float32", runner="torch", device="cpu"))
+    w = engine.model.model.layers[0].mlp.up_proj.weight
+    assert w.scale.shape == (w.shape[0],) and torch.unique(w.scale).numel() == 1
+
+
+def _drop_scale(tensors, config):
+    del tensors["model.layers.0.self_attn.q_proj.weight_scale"]
+
+
+def _bad_scale(tensors, config):
+    tensors["model.layers.0.self_attn.q_proj.weight_scale"] = torch.ones(3, 1)
+
+
+def _static_input(tensors, config):
+    tensors["model.layers.0.self_attn.q_proj.input_scale"] = torch.ones(())
+
+
+def _fp8_norm(tensors, config):
+    name = "model.layers.0.input_layernorm.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+
+
+def _int8_config(tensors, config):
+    config["quantization_config"] = {
+        **COMPRESSED_TENSORS,
+        "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8, "strategy": "channel"}}},
+    }
+
+
+def _awq_config(tensors, config):
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "match"),
+    [
+        (_drop_scale, "MissingTensorError", "has no model.layers.0.self_attn.q_proj.weight_scale"),
+        (_bad_scale, "ShapeMismatchError", r"weight_scale .* has shape \[3, 1\]"),
+        (_static_input, "CheckpointError", "static activation scales are not supported"),
+        (_fp8_norm, "CheckpointError", "only the layers' linear weights may be"),
+        (_int8_config, "ConfigFileError", "FP8 weights .* are supported"),
+        (_awq_config, "ConfigFileError", "quant_method 'awq' is not supported"),
+    ],
+)
+def test_fp8_checkpoints_the_loader_refuses(model_dir, tmp_path, edit, error, match):
+    from ouro_fast.model import weights
+
+    stored = write_fp8_checkpoint(model_dir, tmp_path / "fp8", edit=edit)
+    with pytest.raises(getattr(weights, error), match=match):
+        Engine(EngineConfig(model=stored, dtype="float32", runner="torch", device="cpu"))

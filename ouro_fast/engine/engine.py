@@ -30,7 +30,7 @@ from ..model.checkpoints import default_model_dir
 from ..model.config import OuroConfig
 from ..model.exit_rule import log_one_minus
 from ..model.ouro import OuroForCausalLM
-from ..model.quantization import check_quantization, weight_bytes
+from ..model.quantization import check_quantization, has_fp8_weights, weight_bytes
 from ..model.tokenizer import OuroTokenizer
 from ..model.weights import load_config, load_generation_eos, load_weights
 from .config import EngineConfig
@@ -116,7 +116,7 @@ class Engine:
             "engine ready in %.2fs: %s (%s, %s%s), weights %.2f GiB, %d KV blocks of %d tokens, "
             "max_model_len %d",
             self.load_seconds, self.model_dir, self.device, self.dtype,
-            f", {cfg.quantization} weights" if cfg.quantization else "", self.weight_bytes / 2**30,
+            f", {self.quantization} weights" if self.quantization else "", self.weight_bytes / 2**30,
             self.scheduler.num_blocks, cfg.block_size, self.max_model_len,
         )  # fmt: skip
 
@@ -126,7 +126,8 @@ class Engine:
         scheme = self.config.quantization
         check_quantization(scheme)
         cuda = self.device.type == "cuda"
-        if scheme == "fp8" and cuda and torch.cuda.get_device_capability(self.device) < (8, 9):
+        old_gpu = cuda and torch.cuda.get_device_capability(self.device) < (8, 9)
+        if scheme == "fp8" and old_gpu:
             raise ValueError("quantization fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper)")
         with torch.device("meta"):
             model = OuroForCausalLM(self.model_config)
@@ -134,6 +135,12 @@ class Engine:
         if self.runner_kind == "triton":
             model.fuse()  # one qkv and one gate_up matmul per layer
         model.quantize(scheme)
+        # A checkpoint stored in FP8 is served in FP8 without the option.
+        self.quantization = "fp8" if has_fp8_weights(model) else None
+        if self.quantization and old_gpu:
+            raise ValueError(
+                f"{self.model_dir} holds FP8 weights: they need a GPU of compute capability 8.9+"
+            )
         if cuda:
             torch.cuda.empty_cache()  # the replaced weights' memory goes to the KV cache
         self.weight_bytes = weight_bytes(model)

@@ -13,6 +13,21 @@ _LAYER_NORMS = (
 )
 
 
+_LINEARS = (*(f"self_attn.{m}" for m in _LAYER_MATS), "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def is_layer_linear(name: str) -> bool:
+    """Whether `name` is a layer's q/k/v/o or gate/up/down weight (the ones FP8 may replace)."""
+    parts = name.split(".")
+    return (
+        len(parts) == 6
+        and parts[:2] == ["model", "layers"]
+        and parts[2].isdigit()
+        and ".".join(parts[3:5]) in _LINEARS
+        and parts[5] == "weight"
+    )
+
+
 def expected_shapes(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this config holds, name -> shape, in file order."""
     d, f = cfg.hidden_size, cfg.intermediate_size

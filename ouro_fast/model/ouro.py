@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import OuroConfig
-from .quantization import Fp8Linear, Fp8Weight, check_quantization, linear, quantize_fp8
+from .quantization import Fp8Linear, Fp8Weight, cat_weights, check_quantization, linear, quantize_fp8
 
 
 class RMSNorm(nn.Module):
@@ -62,7 +62,7 @@ class OuroAttention(nn.Module):
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one concatenated weight (same results, fewer kernels)."""
-        self.qkv_weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)).detach()
+        self.qkv_weight = cat_weights((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, attn, layer_idx: int) -> torch.Tensor:
@@ -91,7 +91,7 @@ class OuroMLP(nn.Module):
         self.gate_up_weight: torch.Tensor | Fp8Weight | None = None  # set by fuse()
 
     def fuse(self) -> None:
-        self.gate_up_weight = torch.cat((self.gate_proj.weight, self.up_proj.weight)).detach()
+        self.gate_up_weight = cat_weights((self.gate_proj.weight, self.up_proj.weight))
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,10 +159,12 @@ class OuroForCausalLM(nn.Module):
         for layer in self.model.layers:
             for block, fused, parts in ((layer.self_attn, "qkv_weight", attn_parts),
                                         (layer.mlp, "gate_up_weight", mlp_parts)):  # fmt: skip
-                if getattr(block, fused) is not None:
-                    setattr(block, fused, quantize_fp8(getattr(block, fused)))
+                # Weights a pre-quantized checkpoint loaded as FP8 already stay as they are.
+                w = getattr(block, fused)
+                if w is not None and not isinstance(w, Fp8Weight):
+                    setattr(block, fused, quantize_fp8(w))
                 for name in parts:
-                    if hasattr(block, name):
+                    if hasattr(block, name) and not isinstance(getattr(block, name), Fp8Linear):
                         setattr(block, name, Fp8Linear(quantize_fp8(getattr(block, name).weight)))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,45 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     return reference_linear(x, w) if isinstance(w, Fp8Weight) else F.linear(x, w)
 
 
+def cat_weights(weights: tuple) -> torch.Tensor | Fp8Weight:
+    """Weights stacked along the output rows (fuse()): plain tensors, or FP8 ones with their scales."""
+    if all(isinstance(w, Fp8Weight) for w in weights):
+        return Fp8Weight(torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights]))
+    if any(isinstance(w, Fp8Weight) for w in weights):
+        raise ValueError("cannot fuse FP8 weights with plain ones")
+    return torch.cat(weights).detach()
+
+
+def check_checkpoint_quantization(qc: object) -> None:
+    """ValueError unless config.json's quantization_config is one this loader reads: compressed-tensors
+    with FP8 (float, 8-bit) weights, a scale per channel or per tensor, and activations unquantized or
+    quantized dynamically (which is ignored: activations stay in the model's dtype)."""
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise ValueError(
+            f"quantization_config: quant_method {method!r} is not supported (compressed-tensors FP8 is)"
+        )
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("quantization_config: compressed-tensors without config_groups")
+    for name, group in groups.items():
+        w = (group or {}).get("weights") or {}
+        if (
+            w.get("type") != "float"
+            or w.get("num_bits") != 8
+            or w.get("strategy") not in ("channel", "tensor")
+        ):
+            raise ValueError(
+                f"quantization_config: group {name!r} quantizes weights as {w!r}; FP8 weights (type float, "
+                "num_bits 8) with a channel or tensor scale are supported"
+            )
+        act = (group or {}).get("input_activations")
+        if act is not None and not act.get("dynamic", False):
+            raise ValueError(
+                f"quantization_config: group {name!r} has static activation scales (not supported)"
+            )
+
+
 class Fp8Linear(nn.Module):
     """A bias-free linear layer whose `weight` is an Fp8Weight (not a parameter: nothing trains it)."""
 
@@ -96,6 +135,11 @@ def check_quantization(name: str | None) -> None:
     """ValueError unless name is None or a supported scheme."""
     if name is not None and name not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or none), got {name!r}")
+
+
+def has_fp8_weights(module: nn.Module) -> bool:
+    """Whether any weight of the module is an Fp8Weight (quantized at load, or stored so)."""
+    return any(isinstance(v, Fp8Weight) for sub in module.modules() for v in vars(sub).values())
 
 
 def weight_bytes(module: nn.Module) -> int:

@@ -17,11 +17,13 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import ConfigError, OuroConfig
-from .keys import expected_shapes
+from .keys import expected_shapes, is_layer_linear
+from .quantization import FP8_DTYPE, Fp8Linear, Fp8Weight, check_checkpoint_quantization
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FP8_HEADER_DTYPE = "F8_E4M3"  # safetensors' name for float8_e4m3fn
 
 
 class CheckpointError(ValueError):
@@ -82,8 +84,10 @@ def load_config(model_dir: str | Path) -> OuroConfig:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigFileError(f"{path}: cannot read it as JSON ({e})") from None
     try:
+        if isinstance(raw, dict) and raw.get("quantization_config") is not None:
+            check_checkpoint_quantization(raw["quantization_config"])
         return OuroConfig.from_dict(raw)
-    except (ConfigError, TypeError) as e:
+    except (ConfigError, TypeError, ValueError) as e:
         raise ConfigFileError(f"{path}: {e}") from None
 
 
@@ -121,26 +125,28 @@ def _weight_files(model_dir: Path) -> tuple[list[Path], dict[str, Path]]:
     return sorted(set(by_name.values())), by_name
 
 
-def _scan_headers(files: Iterable[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """name -> (file, shape) from the safetensors headers alone."""
-    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+def _scan_headers(files: Iterable[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """name -> (file, shape, safetensors dtype such as "BF16") from the headers alone."""
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
-                entries = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]  # noqa: SIM118
+                entries = [(name, f.get_slice(name)) for name in f.keys()]  # noqa: SIM118
+                entries = [(name, tuple(s.get_shape()), s.get_dtype()) for name, s in entries]
         except Exception as e:  # safetensors raises its own SafetensorError for bad headers
             raise WeightsFileError(f"{file}: not a readable safetensors file ({e})") from None
-        for name, shape in entries:
+        for name, shape, dtype in entries:
             if name in found:
                 raise UnexpectedTensorError(
                     f"tensor {name} is stored twice: in {found[name][0]} and in {file}"
                 )
-            found[name] = (file, shape)
+            found[name] = (file, shape, dtype)
     return found
 
 
 def check_checkpoint(model_dir: str | Path, cfg: OuroConfig) -> dict[str, Path]:
-    """Validate names and shapes against cfg without reading weights; returns name -> file."""
+    """Validate names, shapes and FP8 scales against cfg without reading weights; returns name -> file
+    (the FP8 scales of a pre-quantized checkpoint included)."""
     model_dir = Path(model_dir)
     files, index_map = _weight_files(model_dir)
     found = _scan_headers(files)
@@ -148,19 +154,53 @@ def check_checkpoint(model_dir: str | Path, cfg: OuroConfig) -> dict[str, Path]:
     for name, file in index_map.items():
         if name not in found or found[name][0] != file:
             raise MissingTensorError(f"tensor {name} is not in {file} although {INDEX_FILE} says it is")
-    for name, (file, _) in found.items():
-        if name not in expected and not is_ignored_extra(name, cfg):
+    scales = fp8_scale_names(found, expected)
+    for name, (file, *_) in found.items():
+        if name not in expected and name not in scales and not is_ignored_extra(name, cfg):
             raise UnexpectedTensorError(f"unexpected tensor {name} in {file}")
     where = ", ".join(sorted(str(f) for f in files))
     for name, shape in expected.items():
         if name not in found:
             raise MissingTensorError(f"tensor {name} is missing from {where}")
-        file, got = found[name]
+        file, got, _ = found[name]
         if got != shape:
             raise ShapeMismatchError(
                 f"tensor {name} in {file} has shape {list(got)}, config.json implies {list(shape)}"
             )
-    return {name: found[name][0] for name in expected}
+    return {name: found[name][0] for name in (*expected, *scales)}
+
+
+def fp8_scale_names(found: dict, expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """The `<linear>.weight_scale` tensors of a pre-quantized checkpoint (compressed-tensors FP8): a layer
+    linear stored as F8_E4M3 needs one, of shape [N, 1] or [N] (a scale per output row) or [] or [1]
+    (one for the tensor); nothing else may be FP8 or carry a scale."""
+    names = []
+    for name, (file, _, dtype) in found.items():
+        if dtype == FP8_HEADER_DTYPE and not (name in expected and is_layer_linear(name)):
+            raise CheckpointError(
+                f"tensor {name} in {file} is {dtype}: only the layers' linear weights may be"
+            )
+        if name.endswith(".input_scale"):
+            raise CheckpointError(
+                f"tensor {name} in {file}: static activation scales are not supported (FP8 weights are; "
+                "activations stay in the model's dtype)"
+            )
+        if not name.endswith(".weight_scale"):
+            continue
+        weight = name.removesuffix("_scale")
+        if weight not in found or found[weight][2] != FP8_HEADER_DTYPE:
+            raise UnexpectedTensorError(f"tensor {name} in {file} scales no FP8 weight")
+        rows, shape = expected[weight][0], found[name][1]
+        if shape not in ((rows, 1), (rows,), (), (1,)):
+            raise ShapeMismatchError(
+                f"tensor {name} in {file} has shape {list(shape)}: a scale per output row ([{rows}, 1]) "
+                "or one for the tensor ([]) is expected"
+            )
+        names.append(name)
+    for name, (file, _, dtype) in found.items():
+        if dtype == FP8_HEADER_DTYPE and name + "_scale" not in found:
+            raise MissingTensorError(f"FP8 tensor {name} in {file} has no {name}_scale")
+    return names
 
 
 def _check_module(module: nn.Module, cfg: OuroConfig, expected: Iterable[str]) -> None:
@@ -191,17 +231,35 @@ def load_weights(
     """
     torch_dtype = _resolve_dtype(dtype, cfg)
     location = check_checkpoint(model_dir, cfg)
-    _check_module(module, cfg, location)
+    scales = {name for name in location if name.endswith(".weight_scale")}
+    _check_module(module, cfg, set(location) - scales)
     by_file: dict[Path, list[str]] = {}
     for name, file in location.items():
         by_file.setdefault(file, []).append(name)
+    fp8: dict[str, torch.Tensor] = {}  # linear module name -> its scale, for the FP8 weights
     for file, names in by_file.items():
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in names:
-                tensor = f.get_tensor(name).to(device=device, dtype=torch_dtype)
+                tensor = f.get_tensor(name)
+                if name in scales:
+                    fp8[name.removesuffix(".weight_scale")] = tensor.to(device=device, dtype=torch.float32)
+                    continue
+                # FP8 weights stay FP8; everything else takes the requested dtype.
+                tensor = tensor.to(device=device, dtype=None if tensor.dtype == FP8_DTYPE else torch_dtype)
                 owner_name, _, leaf = name.rpartition(".")
                 owner = module.get_submodule(owner_name)
                 setattr(owner, leaf, nn.Parameter(tensor, requires_grad=False))
+    for linear, scale in fp8.items():
+        _install_fp8(module, linear, scale)
     if cfg.tie_word_embeddings and isinstance(getattr(module, "lm_head", None), nn.Module):
         module.lm_head.weight = module.get_submodule("model.embed_tokens").weight
     return module
+
+
+def _install_fp8(module: nn.Module, linear: str, scale: torch.Tensor) -> None:
+    """Replace the nn.Linear `linear` (FP8 weight loaded) by an Fp8Linear with one scale per output row."""
+    weight = module.get_submodule(linear).weight.data
+    rows = weight.shape[0]
+    parent, _, leaf = linear.rpartition(".")
+    per_row = scale.reshape(-1).expand(rows).contiguous()
+    setattr(module.get_submodule(parent), leaf, Fp8Linear(Fp8Weight(weight.contiguous(), per_row)))
