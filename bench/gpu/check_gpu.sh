@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 export OUT=${OUT:-bench/results/check-gpu-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/check_gpu.log") 2>&1
-TESTS=${TESTS:-tests/test_kernels.py tests/test_decode_attention.py tests/test_skinny_gemm.py tests/test_fp8.py tests/test_tc_gemm.py tests/test_exit_gate.py tests/test_sample_kernel.py tests/test_precompile.py tests/test_gpu_runner.py tests/test_runahead.py tests/test_structured.py}
+TESTS=${TESTS:-tests/test_kernels.py tests/test_decode_attention.py tests/test_skinny_gemm.py tests/test_fp8.py tests/test_batch_fidelity.py tests/test_tc_gemm.py tests/test_exit_gate.py tests/test_sample_kernel.py tests/test_precompile.py tests/test_gpu_runner.py tests/test_runahead.py tests/test_structured.py}
 PROBES=${PROBES:-ahead noahead}
 echo "start $(date -u +%FT%TZ); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 if [ -z "${SKIP_SETUP:-}" ]; then
