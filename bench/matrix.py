@@ -31,6 +31,7 @@ class Workload:
     output_len: int
     concurrency: int
     prompts: int
+    prefix_len: int = 0  # tokens of one prefix shared by every prompt, before its input_len unique ones
 
 
 WORKLOADS = (
@@ -43,6 +44,12 @@ WORKLOADS = (
     Workload("c32-1024-128", 1024, 128, 32, 128),
     Workload("c8-3800-256", 3800, 256, 8, 24),
 )
+# Run only when named: a 1,024-token prefix shared by every prompt (prefix caching).
+PREFIX_WORKLOADS = (
+    Workload("c8-p1024-128-128", 128, 128, 8, 64, prefix_len=1024),
+    Workload("c32-p1024-128-128", 128, 128, 32, 256, prefix_len=1024),
+)
+ALL_WORKLOADS = WORKLOADS + PREFIX_WORKLOADS
 KEYS = ("completed", "failed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
         "p99_tpot_ms", "median_itl_ms", "total_output_tokens")  # fmt: skip
 
@@ -57,6 +64,8 @@ def client_args(w: Workload, a: argparse.Namespace, out: Path, warmup: bool = Fa
         "--num-prompts", str(min(w.prompts, 2 * w.concurrency) if warmup else w.prompts),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
     ]  # fmt: skip
+    if w.prefix_len:
+        args += ["--random-prefix-len", str(w.prefix_len)]
     if a.trust_remote_code:
         args.append("--trust-remote-code")
     if a.extra_body:
@@ -73,15 +82,15 @@ def run(a: argparse.Namespace) -> None:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    chosen = [w for w in WORKLOADS if not a.workloads or w.name in a.workloads]
+    chosen = [w for w in ALL_WORKLOADS if w.name in a.workloads] if a.workloads else list(WORKLOADS)
     parser = FlexibleArgumentParser()
     serve.add_cli_args(parser)
     warmed = set()
     for w in chosen:
-        # One warm-up per prompt length: the server's first steps of each shape are not measured.
-        if w.input_len not in warmed:
+        # One warm-up per prompt shape: the server's first steps of each shape are not measured.
+        if (w.input_len, w.prefix_len) not in warmed:
             serve.main(parser.parse_args(client_args(w, a, out, warmup=True)))
-            warmed.add(w.input_len)
+            warmed.add((w.input_len, w.prefix_len))
         t = time.perf_counter()
         result = serve.main(parser.parse_args(client_args(w, a, out)))
         row = {k: result.get(k) for k in KEYS}
@@ -93,7 +102,7 @@ def _load(folder: Path) -> dict[tuple[str, str], dict]:
     runs = {}
     for f in sorted(folder.glob("*.json")):
         label, _, name = f.stem.partition(".")
-        if name in {w.name for w in WORKLOADS}:
+        if name in {w.name for w in ALL_WORKLOADS}:
             runs[(label, name)] = json.loads(f.read_text())
     return runs
 
@@ -113,7 +122,7 @@ def report(a: argparse.Namespace) -> None:
         "| workload | server | out tok/s | ratio | TTFT p50 | TPOT p50 | TPOT p99 | of floor | failed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for w in WORKLOADS:
+    for w in ALL_WORKLOADS:
         base = runs.get((a.baseline, w.name), {}).get("output_throughput")
         for label in labels:
             r = runs.get((label, w.name))
@@ -122,11 +131,13 @@ def report(a: argparse.Namespace) -> None:
             tput = r.get("output_throughput") or 0.0
             ratio = f"{tput / base:.2f}" if base else "-"
             depth = float(depths.get(label, shape.loops))
-            floor = floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, depth)
+            # No floor for shared prefixes: how much of the prompt a server computes is its cache's choice.
+            floor = None if w.prefix_len else floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, depth)
+            of_floor = f"{tput / floor:.0%}" if floor else "-"
             ttft, tpot, p99 = (r.get(k, 0) for k in ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
             lines.append(
                 f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {ttft:.1f} ms | {tpot:.2f} ms | "
-                f"{p99:.2f} ms | {tput / floor:.0%} | {r.get('failed', '-')} |"
+                f"{p99:.2f} ms | {of_floor} | {r.get('failed', '-')} |"
             )
     text = "\n".join(lines) + "\n"
     (folder / "summary.md").write_text(text)
@@ -144,7 +155,7 @@ def main() -> None:
     )
     r.add_argument("--label", required=True, help="names this server's results, e.g. ouro-full or vllm-full")
     r.add_argument("--extra-body", help="JSON merged into every request, e.g. '{\"exit_threshold\": 0.5}'")
-    r.add_argument("--workloads", nargs="*", help="a subset of the workload names")
+    r.add_argument("--workloads", nargs="*", help="workload names (default: the matrix, without the prefix ones)")
     r.add_argument("--trust-remote-code", action="store_true")
     r.add_argument("--out", default=f"bench/results/matrix-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     r.set_defaults(func=run)

@@ -20,6 +20,7 @@ threads, file descriptors and memory are back near their level before the load, 
 that /health answers 200. Bounded in time and count; writes a JSON summary (--out).
 
     python -m bench.soak --out bench/results/soak.json     # 2,000 requests at concurrency 64
+    python -m bench.soak --model /models/ouro-1.4b         # the same against a real checkpoint (a GPU)
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class SoakConfig:
     settle_s: float = 20.0  # how long the server gets to become idle afterwards
     rss_tolerance: float = 0.25  # RSS after the load may exceed RSS before it by this fraction
     rss_slack_mib: float = 48.0  # ... or by this much, whichever is larger
+    model: str = ""  # a checkpoint directory to serve (default: the embedded tiny model)
 
 
 @dataclass
@@ -517,7 +519,8 @@ def warm_up(url: str) -> None:
 
 def run_soak(cfg: SoakConfig) -> dict:
     """Start a server, run the soak against it, stop it; the summary (summary["problems"] empty: passed)."""
-    srv = ServerProcess("cli", server_env(cfg))
+    args = ("--model", cfg.model, "--served-model-name", MODEL) if cfg.model else ()
+    srv = ServerProcess("cli", server_env(cfg), args=args)
     try:
         srv.wait_ready()
         port = srv.port

@@ -28,7 +28,7 @@ def fake_vllm(monkeypatch, calls):
 
     def add_cli_args(parser):
         for flag in ("--backend", "--endpoint", "--base-url", "--model", "--tokenizer", "--dataset-name",
-                     "--random-input-len", "--random-output-len", "--temperature", "--seed", "--request-rate",
+                     "--random-input-len", "--random-output-len", "--random-prefix-len", "--temperature", "--seed", "--request-rate",
                      "--max-concurrency", "--num-prompts", "--percentile-metrics", "--metric-percentiles",
                      "--extra-body", "--result-dir", "--result-filename"):  # fmt: skip
             parser.add_argument(flag)
@@ -64,6 +64,24 @@ def test_run_warms_up_once_per_prompt_length_and_runs_every_workload(monkeypatch
     assert {a.result_filename for a in runs} == {f"ouro-t05.{w.name}.json" for w in matrix.WORKLOADS}
     assert all(a.extra_body == '{"exit_threshold": 0.5}' and a.ignore_eos and a.seed == "0" for a in calls)
     assert len(capsys.readouterr().out.strip().splitlines()) == len(matrix.WORKLOADS)
+    assert all(a.random_prefix_len is None for a in calls)  # the prefix workloads run only when named
+
+
+def test_prefix_workloads_share_a_prefix_and_warm_up_apart(monkeypatch, tmp_path):
+    calls = []
+    fake_vllm(monkeypatch, calls)
+    argv = ["matrix", "run", "--base-url", "http://h:1", "--model", "m", "--tokenizer", "t", "--label", "ouro-full",
+            "--workloads", "c8-128-64", "c8-p1024-128-128", "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    matrix.main()
+    assert [(a.save_result, a.random_prefix_len) for a in calls] == [
+        (False, None), (True, None), (False, "1024"), (True, "1024")
+    ]
+    (tmp_path / "ouro-full.c8-p1024-128-128.json").write_text(json.dumps({"output_throughput": 900.0}))
+    monkeypatch.setattr(sys, "argv", ["matrix", "report", str(tmp_path), "--baseline", "ouro-full"])
+    matrix.main()
+    row = next(r for r in (tmp_path / "summary.md").read_text().splitlines() if r.startswith("| c8-p1024"))
+    assert "| 900 | 1.00 |" in row and "| - |" in row  # no floor for a cached prefix
 
 
 def test_report_takes_ratios_against_the_baseline_and_fractions_of_the_floor(tmp_path, monkeypatch):

@@ -56,7 +56,8 @@ class Replica:
         self.exited_at: float | None = None
 
     def start(self) -> None:
-        argv = [str(Path(sys.executable).with_name("ouro-fast")), "serve", "--host", "127.0.0.1",
+        # The launcher's own interpreter: its scripts folder need not hold `ouro-fast` (a system Python's).
+        argv = [sys.executable, "-m", "ouro_fast.cli", "serve", "--host", "127.0.0.1",
                 "--port", str(self.port), *self.serve_args]  # fmt: skip
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpu}
         with open(self.run_dir / f"replica-{self.index}.log", "ab") as log:
