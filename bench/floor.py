@@ -5,11 +5,12 @@ Per decode step (one loop over every row): the layer weights once, each row's K/
 the matmul and attention arithmetic; a step takes at least max(bytes / bandwidth, FLOPs / matmul rate).
 A generated token takes `depth` such steps (4 at full depth, ~2.4 at exit_threshold 0.5) and one lm_head
 row; its prompt's prefill (every loop, every token) is arithmetic that the decode batch's weight stream
-can carry, so it adds FLOPs, not weight bytes. The H200's figures are measured ones: 4,221 GB/s read and
-789 TFLOP/s of bf16 matmul.
+can carry, so it adds FLOPs, not weight bytes. The GPUs' figures are measured ones (GPUS): the H200
+reads 4,221 GB/s and multiplies bf16 at 789 TFLOP/s; the H100 copies 3.0 TB/s (bytes read and written),
+taken as 2,950 GB/s read at the H200's ratio of read to copy, and multiplies at 798 TFLOP/s.
 
     python -m bench.floor                                # the serving matrix's workloads, full depth
-    python -m bench.floor --depth 2.4                     # with early exit's mean depth
+    python -m bench.floor --depth 2.4 --gpu h100         # with early exit's mean depth, on an H100
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-HBM_BYTES_PER_S = 4.221e12
-MATMUL_FLOPS_PER_S = 789e12
+
+@dataclass(frozen=True)
+class Gpu:
+    hbm_bytes_per_s: float
+    matmul_flops_per_s: float
+
+
+GPUS = {"h200": Gpu(4.221e12, 789e12), "h100": Gpu(2.95e12, 798e12)}
+H200 = GPUS["h200"]
 
 
 @dataclass(frozen=True)
@@ -46,26 +54,30 @@ class Shape:
         return self.layers * 2 * self.kv_heads * self.head_dim * self.elem
 
 
-def step_floor(shape: Shape, rows: int, context: float) -> float:
+def step_floor(shape: Shape, rows: int, context: float, gpu: Gpu = H200) -> float:
     """Seconds of one decode loop over `rows` one-token rows whose planes hold `context` positions."""
     weight = shape.layer_params * shape.elem
     kv = rows * context * shape.kv_bytes_per_position
     flops = 2 * rows * shape.layer_params + 4 * rows * context * shape.hidden * shape.layers
-    return max((weight + kv) / HBM_BYTES_PER_S, flops / MATMUL_FLOPS_PER_S)
+    return max((weight + kv) / gpu.hbm_bytes_per_s, flops / gpu.matmul_flops_per_s)
 
 
-def token_floor(shape: Shape, concurrency: int, prompt: int, output: int, depth: float) -> float:
+def token_floor(
+    shape: Shape, concurrency: int, prompt: int, output: int, depth: float, gpu: Gpu = H200
+) -> float:
     """Seconds per round in which each of `concurrency` requests gains one token, at steady state."""
     context = prompt + output / 2  # the mean context over a request's output
-    lm_head = max(shape.vocab * shape.hidden * shape.elem / HBM_BYTES_PER_S,
-                  2 * concurrency * shape.vocab * shape.hidden / MATMUL_FLOPS_PER_S)  # fmt: skip
-    prefill = concurrency * 2 * prompt * shape.loops * shape.layer_params / output / MATMUL_FLOPS_PER_S
-    return depth * step_floor(shape, concurrency, context) + lm_head + prefill
+    lm_head = max(shape.vocab * shape.hidden * shape.elem / gpu.hbm_bytes_per_s,
+                  2 * concurrency * shape.vocab * shape.hidden / gpu.matmul_flops_per_s)  # fmt: skip
+    prefill = concurrency * 2 * prompt * shape.loops * shape.layer_params / output / gpu.matmul_flops_per_s
+    return depth * step_floor(shape, concurrency, context, gpu) + lm_head + prefill
 
 
-def floor_tok_s(shape: Shape, concurrency: int, prompt: int, output: int, depth: float) -> float:
+def floor_tok_s(
+    shape: Shape, concurrency: int, prompt: int, output: int, depth: float, gpu: Gpu = H200
+) -> float:
     """The most output tokens a second a workload can reach."""
-    return concurrency / token_floor(shape, concurrency, prompt, output, depth)
+    return concurrency / token_floor(shape, concurrency, prompt, output, depth, gpu)
 
 
 def main() -> None:
@@ -73,15 +85,16 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--depth", type=float, default=4.0, help="mean loops a generated token runs")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h200")
     args = p.parse_args()
-    shape = Shape()
+    shape, gpu = Shape(), GPUS[args.gpu]
     print(f"one loop's weights {shape.layer_params * shape.elem / 1e9:.2f} GB; depth {args.depth}")
     print("| workload | step floor | ms per token round | floor tok/s |")
     print("|---|---|---|---|")
     for w in WORKLOADS:
-        step = step_floor(shape, w.concurrency, w.input_len + w.output_len / 2)
-        rnd = token_floor(shape, w.concurrency, w.input_len, w.output_len, args.depth)
-        tok_s = floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, args.depth)
+        step = step_floor(shape, w.concurrency, w.input_len + w.output_len / 2, gpu)
+        rnd = token_floor(shape, w.concurrency, w.input_len, w.output_len, args.depth, gpu)
+        tok_s = floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, args.depth, gpu)
         print(f"| {w.name} | {step * 1e3:.3f} ms | {rnd * 1e3:.3f} | {tok_s:,.0f} |")
 
 

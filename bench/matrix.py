@@ -108,13 +108,13 @@ def _load(folder: Path) -> dict[tuple[str, str], dict]:
 
 
 def report(a: argparse.Namespace) -> None:
-    from bench.floor import Shape, floor_tok_s
+    from bench.floor import GPUS, Shape, floor_tok_s
 
     folder = Path(a.folder)
     runs = _load(folder)
     labels = sorted({label for label, _ in runs}, key=lambda s: (s != a.baseline, s))
     depths = dict(x.split("=") for x in a.depth)
-    shape = Shape()
+    shape, gpu = Shape(), GPUS[a.gpu]
     lines = [
         f"Machine: {a.machine}. Client: vllm bench serve, random dataset, seed 0, --ignore-eos; ratios "
         f"are to `{a.baseline}` measured in the same run. Floor: bench/floor.py at each label's mean depth.",
@@ -132,7 +132,11 @@ def report(a: argparse.Namespace) -> None:
             ratio = f"{tput / base:.2f}" if base else "-"
             depth = float(depths.get(label, shape.loops))
             # No floor for shared prefixes: how much of the prompt a server computes is its cache's choice.
-            floor = None if w.prefix_len else floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, depth)
+            floor = (
+                None
+                if w.prefix_len
+                else floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, depth, gpu)
+            )
             of_floor = f"{tput / floor:.0%}" if floor else "-"
             ttft, tpot, p99 = (r.get(k, 0) for k in ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
             lines.append(
@@ -145,6 +149,8 @@ def report(a: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    from bench.floor import GPUS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="drive one server through the workloads")
@@ -155,7 +161,9 @@ def main() -> None:
     )
     r.add_argument("--label", required=True, help="names this server's results, e.g. ouro-full or vllm-full")
     r.add_argument("--extra-body", help="JSON merged into every request, e.g. '{\"exit_threshold\": 0.5}'")
-    r.add_argument("--workloads", nargs="*", help="workload names (default: the matrix, without the prefix ones)")
+    r.add_argument(
+        "--workloads", nargs="*", help="workload names (default: the matrix, without the prefix ones)"
+    )
     r.add_argument("--trust-remote-code", action="store_true")
     r.add_argument("--out", default=f"bench/results/matrix-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     r.set_defaults(func=run)
@@ -164,6 +172,9 @@ def main() -> None:
     s.add_argument("--baseline", default="vllm-full", help="the label every ratio is taken against")
     s.add_argument("--depth", nargs="*", default=[], metavar="LABEL=LOOPS", help="mean depth for the floor")
     s.add_argument("--machine", default="one NVIDIA H200")
+    s.add_argument(
+        "--gpu", choices=sorted(GPUS), default="h200", help="the GPU whose floor each result is a fraction of"
+    )
     s.set_defaults(func=report)
     args = p.parse_args()
     args.func(args)

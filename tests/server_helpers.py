@@ -35,8 +35,9 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if mode == "cli":
-            # The console script where the interpreter's scripts live (a venv), else the module (a system Python).
-            exe = [str(BIN / "ouro-fast")] if (BIN / "ouro-fast").exists() else [sys.executable, "-m", "ouro_fast.cli"]
+            # The console script beside the interpreter (a venv), else the module (a system Python).
+            script = BIN / "ouro-fast"
+            exe = [str(script)] if script.exists() else [sys.executable, "-m", "ouro_fast.cli"]
             argv = [*exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         else:
             argv = [

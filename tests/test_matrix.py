@@ -28,7 +28,8 @@ def fake_vllm(monkeypatch, calls):
 
     def add_cli_args(parser):
         for flag in ("--backend", "--endpoint", "--base-url", "--model", "--tokenizer", "--dataset-name",
-                     "--random-input-len", "--random-output-len", "--random-prefix-len", "--temperature", "--seed", "--request-rate",
+                     "--random-input-len", "--random-output-len", "--random-prefix-len", "--temperature",
+                     "--seed", "--request-rate",
                      "--max-concurrency", "--num-prompts", "--percentile-metrics", "--metric-percentiles",
                      "--extra-body", "--result-dir", "--result-filename"):  # fmt: skip
             parser.add_argument(flag)
@@ -70,12 +71,16 @@ def test_run_warms_up_once_per_prompt_length_and_runs_every_workload(monkeypatch
 def test_prefix_workloads_share_a_prefix_and_warm_up_apart(monkeypatch, tmp_path):
     calls = []
     fake_vllm(monkeypatch, calls)
-    argv = ["matrix", "run", "--base-url", "http://h:1", "--model", "m", "--tokenizer", "t", "--label", "ouro-full",
-            "--workloads", "c8-128-64", "c8-p1024-128-128", "--out", str(tmp_path)]  # fmt: skip
+    argv = ["matrix", "run", "--base-url", "http://h:1", "--model", "m", "--tokenizer", "t",
+            "--label", "ouro-full", "--workloads", "c8-128-64", "c8-p1024-128-128",
+            "--out", str(tmp_path)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     matrix.main()
     assert [(a.save_result, a.random_prefix_len) for a in calls] == [
-        (False, None), (True, None), (False, "1024"), (True, "1024")
+        (False, None),
+        (True, None),
+        (False, "1024"),
+        (True, "1024"),
     ]
     (tmp_path / "ouro-full.c8-p1024-128-128.json").write_text(json.dumps({"output_throughput": 900.0}))
     monkeypatch.setattr(sys, "argv", ["matrix", "report", str(tmp_path), "--baseline", "ouro-full"])
