@@ -267,14 +267,15 @@ class LoopScheduler:
 
     @cython.initializedcheck(True)
     def admit_now(self, rid: int) -> bool:
-        """Admit the request at the head of the waiting queue without starting a row: a KV slot and
-        blocks for its known tokens at every loop. False, changing nothing, if none are free."""
+        """Admit the request at the head of the waiting queue without starting a row: a KV slot, its
+        prefix-cache hits (num_computed) and blocks for the rest of its known tokens at every loop.
+        False, changing nothing, if none are free."""
         if self._status[rid] != WAITING or self._wait_count == 0 or self._waiting[self._wait_head] != rid:
             return False
         if self._num_free_slots == 0 or self._shared[rid] is not None or self._is_prefix[rid]:
             return False  # shared blocks and prefixes are admitted by schedule() alone
         self._admit(rid)
-        if not self.bt.allocate(self._kv_slot[rid], self._num_tokens[rid]):
+        if not self._take_kv(rid, self._num_tokens[rid]):
             self._release_slot(rid, False)
             self._status[rid] = WAITING
             return False
@@ -316,6 +317,11 @@ class LoopScheduler:
     def kv_slot(self, rid: int) -> int:
         """The request's row in the block tables, -1 while it holds no KV."""
         return self._kv_slot[rid]
+
+    @cython.initializedcheck(True)
+    def num_computed(self, rid: int) -> int:
+        """Known tokens whose K/V every loop holds (prefix-cache hits included)."""
+        return self._num_done[rid]
 
     @cython.initializedcheck(True)
     def num_tokens(self, rid: int) -> int:

@@ -87,6 +87,45 @@ def test_same_tokens_and_depths_as_host_driven(model_dir, policies):
         assert got["0"][1] == [3, 3] and all(1 <= loop <= 2 for loop in got["2"][1])
 
 
+def logprobs_of(done):
+    return {k: [(lp.logprob, lp.rank, lp.top_ids, lp.top_logprobs) for lp in o.request.logprobs]
+            for k, o in done.items()}  # fmt: skip
+
+
+def assert_same_logprobs(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert len(got[k]) == len(want[k]), k
+        for (lp, rank, ids, top), (lp0, rank0, ids0, top0) in zip(got[k], want[k]):
+            assert lp == pytest.approx(lp0, abs=1e-4) and rank == rank0 and ids == ids0
+            assert top == pytest.approx(top0, abs=1e-4)
+
+
+def test_logprobs_are_computed_in_the_lanes_as_on_the_host(model_dir):
+    # Requests with and without log-probabilities in one run; a newcomer that wants the most (20)
+    # rides in mid-run, its first token's from its riding prompt's row. Tokens and log-probabilities
+    # equal the host path's.
+    early = [(str(i), p, greedy(5, logprobs=n)) for i, (p, n) in enumerate(zip(PROMPTS, (0, None, 5)))]
+    late = ("late", [9, 8, 7, 6], greedy(4, logprobs=20))
+    host = run(engine(model_dir, run_ahead=False), early + [late])
+    eng = engine(model_dir)
+    seen = {}
+
+    def add_late(e):
+        if e.ahead.active and e.ahead.launched >= 2:
+            e.add_request(*late)
+            seen["late"] = e.ahead.active
+            return True
+        return False
+
+    done = run(eng, early, hook=add_late)
+    assert tokens(done) == tokens(host)
+    assert_same_logprobs(logprobs_of(done), logprobs_of(host))
+    assert [len(lp.top_ids) for lp in done["late"].request.logprobs] == [20] * 4
+    assert done["1"].request.logprobs == []
+    assert seen == {"late": True} and eng.ahead.total_riders == 1 and eng.ahead.hand_backs == 0
+
+
 def test_stop_ids_on_the_device_and_stop_strings_on_the_host(model_dir):
     base = tokens(run(engine(model_dir, run_ahead=False), [("a", PROMPTS[0], greedy(8))]))
     stop_tok = base["a"][0][3]  # a stop id the device sees: the lane ends itself
@@ -357,33 +396,29 @@ def test_exit_steps_count_the_launches_where_a_row_exited(model_dir):
     assert eng.ahead.total_launches >= eng.num_loops * eng.ahead.exit_launches - eng.num_loops
 
 
-def test_newcomers_with_cached_prompts_ride_whole_or_take_the_host_path(model_dir):
-    # A rider is seated with its whole prompt (no cache hit: the lanes compute it from position 0); a
-    # newcomer too long to ride is scheduled by the host, reuses the cached blocks, and hands the batch
-    # back (a prompt that starts past 0 never rides). Either way: the tokens of a cold host-path run.
+@pytest.mark.parametrize("case", ["seated", "joined"])
+def test_newcomers_with_cached_prompts_ride_from_their_cache_hits(model_dir, case):
+    # A newcomer takes its prefix-cache hits and its lane computes the rest of its prompt: seated at once
+    # (9 tokens), or, too long to seat at once (20 tokens, a step holds 16), after the host caught up and
+    # scheduled it from its hits. Either way: the tokens of a cold host-path run.
     cached = list(range(40, 58))  # 18 tokens: four 4-token blocks cached by the first request
     warm = ("warm", cached, greedy(2))
-    rider = ("rider", cached[:8] + [1], greedy(4))
-    host = ("host", cached + [2, 3], greedy(4))
+    late = ("late", cached[:8] + [1], greedy(4)) if case == "seated" else ("late", cached + [2, 3], greedy(4))
     early = [(str(i), p, greedy(8)) for i, p in enumerate(PROMPTS)]
     cold = engine(model_dir, run_ahead=False, block_size=4, enable_prefix_caching=False)
-    want = tokens(run(cold, [warm] + early + [rider, host]))
+    want = tokens(run(cold, [warm] + early + [late]))
     eng = engine(model_dir, block_size=4)
     got = tokens(run(eng, [warm]))
-    seen = {}
 
     def add_late(e):
-        if "rider" not in seen and e.ahead.active and e.ahead.launched >= 3:
-            e.add_request(*rider)
-            seen["rider"] = True
-        elif "rider" in seen and "host" not in seen and e.ahead.active and e.ahead.total_riders:
-            e.add_request(*host)
-            seen["host"] = True
+        if e.ahead.active and e.ahead.launched >= 3:
+            e.add_request(*late)
             return True
         return False
 
     done = run(eng, early, hook=add_late)
     got.update(tokens(done))
     assert got == want
-    assert seen == {"rider": True, "host": True} and eng.ahead.total_riders >= 1
-    assert done["rider"].cached_tokens == 0 and done["host"].cached_tokens == 16
+    assert done["late"].cached_tokens == (8 if case == "seated" else 16)
+    assert eng.ahead.total_riders == 1 and eng.ahead.hand_backs == 0
+    assert eng.ahead.catch_ups == (0 if case == "seated" else 1)

@@ -25,7 +25,7 @@ def test_every_prefill_step_fits_a_start_up_shape(max_rows, max_tokens):
 
 
 def test_prefill_shapes_are_one_per_token_bucket_by_default():
-    # The server's defaults (64 rows, 512 tokens): a prefill graph per power of two and, above 64, per
+    # 64 rows and 512 tokens: a prefill graph per power of two and, above 64, per
     # 9/16, 5/8 and 3/4 of one.
     assert [n for _, n, _ in prefill_shapes(64, 512)] == [
         64, 72, 80, 96, 128, 144, 160, 192, 256, 288, 320, 384, 512

@@ -15,13 +15,13 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for v in 39 35 34 31 28 27 26 24 17; do PLAT+=(--platform "manylinux_2_${v}_x86_64"); done
 PLAT+=(--platform manylinux2014_x86_64 --platform any)
 # What `vllm serve` imports that the H200 image lacks, at versions that work together with torch 2.11 and
-# transformers 5.17 (the image's).
+# transformers 5.17 (the image's); compressed-tensors (and its loguru) for `--quantization fp8`.
 DEPS=(fastapi==0.136.3 starlette==1.7.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.8.0
   typing-inspection==0.4.4 uvicorn==0.54.0 watchfiles==1.2.0 prometheus-fastapi-instrumentator==8.1.0
   openai==2.54.0 jiter==0.16.0 distro==1.9.0 sniffio==1.3.1 openai-harmony==0.0.8 cbor2==6.1.3 pyzmq==27.1.0
   msgspec==0.21.1 pybase64==1.4.3 cachetools==7.2.0 llguidance==1.7.6 xgrammar==0.2.7 apache-tvm-ffi==0.1.10
   partial-json-parser==0.2.1.1.post7 model-hosting-container-standards==0.1.16 jmespath==1.1.0
-  setproctitle==1.3.7)
+  setproctitle==1.3.7 compressed-tensors==0.17.0 loguru==0.7.3)
 mkdir -p "$work/whl" "$work/site"
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$work/whl" vllm==0.26.0 "${DEPS[@]}"
 # Unpack vLLM without what a dense bf16 model on FlashAttention 3 never loads (FA2, MoE and MLA kernels,

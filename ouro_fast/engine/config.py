@@ -18,7 +18,7 @@ class EngineConfig:
     model: str | None = None  # a checkpoint directory (config.json, safetensors, tokenizer files)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU; or float32, bfloat16, float16
     device: str = "auto"  # auto: cuda when available, else cpu
-    max_num_seqs: int = 64  # rows per step = requests holding KV at once
+    max_num_seqs: int = 256  # rows per step = requests holding KV at once (vLLM's default too)
     max_num_batched_tokens: int = 512  # tokens per step (prefill chunks included)
     max_waiting: int = 1024  # requests queued beyond the running ones
     max_model_len: int | None = None  # default: the config's max_position_embeddings

@@ -34,7 +34,7 @@ class ServerConfig:
     dtype: str = "auto"
     quantization: str | None = None  # "fp8": linear weights in float8 e4m3 (model/quantization.py)
     device: str = "auto"
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
     max_waiting: int = 1024  # requests admitted beyond the running ones; more get 429
     max_model_len: int | None = None

@@ -13,6 +13,11 @@ active], into a ring in pinned host memory (its last kernel stores them there). 
 device when it samples one of its stop ids or reaches its length cap (the same
 rules as the engine), or when the host kills it (stop strings, aborts).
 
+When a lane's request asks for log-probabilities, the launches compute them on the device for every
+lane that samples (the sampled token's, its rank and the MAX_LOGPROBS likeliest, from the logits before
+temperature, as the host path's token_logprobs) and copy them into a second ring in pinned host memory.
+Launches without such a lane run graphs that compute none.
+
 A free lane can also carry a newcomer's prompt (a rider, riders.py): while
 the prompt runs its loops the launch is the runner's step graph over the lanes'
 tokens and the prompt's, and after the prompt's last loop the lane decodes the
@@ -31,7 +36,7 @@ from ...kernels.sample import sample_gumbel
 from ...kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear
 from ...model.triton_attention import TritonBatch
 from ...model.triton_loop import run_loop_fused
-from ..sampling import GREEDY_EPS
+from ..sampling import GREEDY_EPS, MAX_LOGPROBS
 from .lane_kernels import (
     lane_epilogue,
     lane_exits,
@@ -87,7 +92,19 @@ class DecodeLanes:
         self.host_records = torch.zeros(RING, r, 4, dtype=torch.int64, pin_memory=pin)
         self.emitted = torch.zeros(1, **i64)  # launches since start() on the device: the ring slot
         self.events = [torch.cuda.Event() if pin else None for _ in range(RING)]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Log-probabilities of the lanes' samples: [the sampled token's, its rank, the top ones'] and the top
+        # ids, per lane on the device and per ring slot on the host.
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.lp_vals, self.lp_ids = (
+            torch.zeros(r, 2 + MAX_LOGPROBS, **f32),
+            torch.zeros(r, MAX_LOGPROBS, **i64),
+        )
+        self.host_lp_vals = torch.zeros(RING, r, 2 + MAX_LOGPROBS, dtype=torch.float32, pin_memory=pin)
+        self.host_lp_ids = torch.zeros(RING, r, MAX_LOGPROBS, dtype=torch.int64, pin_memory=pin)
+        self.logprobs = False  # the next launches compute log-probabilities (some lane wants them)
+        self.logprobs_ready = not runner.use_graphs  # their graphs are captured (prepare_logprobs)
+        self.lp_of = [False] * RING  # per ring slot: whether its launch computed them
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (lanes, log-probabilities)
         self.rows = 0
         self.count = 0  # launches since start()
 
@@ -186,13 +203,13 @@ class DecodeLanes:
 
     def launch(self) -> int:
         """Run one loop for every lane (a captured graph on CUDA); returns the launch's index."""
-        rows = self.rows
-        g = self.graphs.get(rows)
+        rows, lp = self.rows, self.logprobs
+        g = self.graphs.get((rows, lp))
         if g is not None:
             g.replay()
         else:
-            self._step(rows)
-        return self._emit_records()
+            self._step(rows, lp)
+        return self._emit_records(rows)
 
     def launch_with_riders(self, riders: list, tables) -> int:
         """Run one loop for every lane and the riders' prompts (`riders`: RiderRow, in step-row
@@ -206,17 +223,28 @@ class DecodeLanes:
         logits = self._lm_head(r.x_last[: rows + k], exits)
         vocab = min(r.sampler.vocab_limit, logits.shape[1])
         ids = sample_gumbel(logits, temp, seeds, GREEDY_EPS, vocab, row_gate=exits)
+        if self.logprobs:
+            vals, top = self._logprobs(logits, ids)
+            self.lp_vals[:rows], self.lp_ids[:rows] = vals[:rows], top[:rows]
+            # A riding prompt's first token is its lane's sample (the lane itself idles until then).
+            lane = rider_lanes.long()
+            self.lp_vals[lane], self.lp_ids[lane] = vals[rows : rows + k], top[rows : rows + k]
         src, dst = self.prop_src[: (self.num_loops - 1) * rows], self.prop_dst[: (self.num_loops - 1) * rows]
         lane_epilogue(self, run, slot, r.ls_prev[:rows], exits, ids, r.h_prev[:rows], rows, self.block_size,
                       src, dst)  # fmt: skip
         rider_epilogue(self, r, rider_lanes, exits, ids, rows)
         propagate_kv(r.kv_cache, src, dst)
         publish_records(self, rows)  # the launch's last kernel stores its records in the host ring
-        return self._emit_records()
+        return self._emit_records(rows)
 
-    def _emit_records(self) -> int:
-        # The launch's records reach the host ring without waiting; result() waits for them.
+    def _emit_records(self, rows: int) -> int:
+        # The launch's records reach the host ring without waiting; result() waits for them. Its
+        # log-probabilities, when computed, are copied there behind the launch, before the event.
         i = self.count % RING
+        self.lp_of[i] = self.logprobs
+        if self.logprobs:
+            self.host_lp_vals[i, :rows].copy_(self.lp_vals[:rows], non_blocking=True)
+            self.host_lp_ids[i, :rows].copy_(self.lp_ids[:rows], non_blocking=True)
         if self.events[i] is not None:
             self.events[i].record()
         self.count += 1
@@ -229,21 +257,49 @@ class DecodeLanes:
             self.events[i].synchronize()
         return self.host_records[i, : self.rows].numpy()
 
-    def _graph(self, rows: int) -> None:
-        if rows not in self.graphs:
+    def logprobs_result(self, index: int):
+        """Launch `index`'s log-probabilities per lane, ([lanes, 2 + MAX_LOGPROBS] float32: the sampled
+        token's, its rank, the top ones'; [lanes, MAX_LOGPROBS] top ids), as numpy; None if it computed
+        none. Read after result(index)."""
+        i = index % RING
+        if not self.lp_of[i]:
+            return None
+        return self.host_lp_vals[i, : self.rows].numpy(), self.host_lp_ids[i, : self.rows].numpy()
+
+    def _logprobs(self, logits: torch.Tensor, ids: torch.Tensor):
+        """Per row of logits [rows, >= vocab] with its sample ids [rows] (-1 where none): [the sampled
+        token's log-probability, its rank, the top ones'] and the top ids (graph-capturable)."""
+        vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
+        lp = torch.log_softmax(logits[:, :vocab].float(), dim=-1)
+        chosen = lp.gather(1, ids.clamp(min=0).long()[:, None])
+        rank = (lp > chosen).sum(dim=-1, keepdim=True).float() + 1
+        top, top_ids = lp.topk(MAX_LOGPROBS, dim=-1)
+        return torch.cat([chosen, rank, top], dim=1), top_ids
+
+    def prepare_logprobs(self) -> None:
+        """Capture the graphs that compute log-probabilities (once, on first need; only while no run is
+        active: start() loads the lanes' state afterwards)."""
+        if not self.logprobs_ready:
+            self.active.zero_()  # so that warm-up and capture write no K/V
+            for b in self._lane_counts():
+                self._graph(b, True)
+            self.logprobs_ready = True
+
+    def _graph(self, rows: int, lp: bool = False) -> None:
+        if (rows, lp) not in self.graphs:
             r = self.runner
             state = self._save()
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._step(rows)  # compiles the kernels outside the capture
+                self._step(rows, lp)  # compiles the kernels outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._restore(state)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=r.pool):
-                self._step(rows)
+                self._step(rows, lp)
             self._restore(state)
-            self.graphs[rows] = g
+            self.graphs[(rows, lp)] = g
 
     def _save(self):
         # Warm-up and capture run the step for real: keep the lane state as it was.
@@ -292,8 +348,9 @@ class DecodeLanes:
         rider_epilogue(self, self.runner, one, exits, ids, rows)
         self.ploop.fill_(-1)
 
-    def _step(self, rows: int) -> None:
-        """One loop for lanes [0, rows): graph-capturable (fixed shapes, no host reads)."""
+    def _step(self, rows: int, lp: bool = False) -> None:
+        """One loop for lanes [0, rows), with the samples' log-probabilities if lp: graph-capturable
+        (fixed shapes, no host reads)."""
         bs, kill = self.block_size, self.inputs.dev["kill"][:rows]
         embed = self.model.model.embed_tokens.weight
         h, tables, slot, q_start, run, seeds = lane_prologue(self, kill, embed, rows, bs)
@@ -306,6 +363,10 @@ class DecodeLanes:
         # (engine seed, launch, lane), so a launch's draws never depend on the host.
         vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
         ids = sample_gumbel(logits, self.temp[:rows], seeds, GREEDY_EPS, vocab, row_gate=exits)
+        if lp:
+            vals, top = self._logprobs(logits, ids)
+            self.lp_vals[:rows].copy_(vals)
+            self.lp_ids[:rows].copy_(top)
         src, dst = self.prop_src[: (self.num_loops - 1) * rows], self.prop_dst[: (self.num_loops - 1) * rows]
         lane_epilogue(self, run, slot, log_surv, exits, ids, x, rows, bs, src, dst)
         # Last-exited propagation: the exit plane's K/V into every deeper plane, in this launch.

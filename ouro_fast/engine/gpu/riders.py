@@ -40,9 +40,10 @@ class Rider:
 
     rid: int
     lane: int
-    ids: np.ndarray  # the prompt's token ids (int64)
+    ids: np.ndarray  # the prompt's token ids it computes (int64): those after its prefix-cache hits
     kv: int  # its KV slot (block-table row)
     first: int
+    start: int = 0  # the position of ids[0]: the prompt tokens taken from the prefix cache
     prev_off: int = -1  # its first token's index in the last step (hidden states carry from there)
 
 
@@ -56,6 +57,7 @@ class RiderRow:
     loop: int
     off: int  # its first token's index in this step
     prev_off: int
+    start: int = 0  # ids[0]'s position
 
 
 def rider_rows(ahead, launch: int) -> list[RiderRow]:
@@ -67,7 +69,7 @@ def rider_rows(ahead, launch: int) -> list[RiderRow]:
         loop = launch - rd.first
         if loop >= loops or s.status(rd.rid) != RUNNING:
             continue
-        rows.append(RiderRow(rd.lane, rd.ids, rd.kv, loop, off, rd.prev_off))
+        rows.append(RiderRow(rd.lane, rd.ids, rd.kv, loop, off, rd.prev_off, rd.start))
         rd.prev_off = off
         off += len(rd.ids)
         if loop + 1 < loops:
@@ -117,7 +119,7 @@ class Seating:
             return "wait" if self.riders else "no"
         if not s.admit_now(rid):
             return "no"
-        self._seat(rid, free[0])
+        self._seat(rid, free[0], s.num_computed(rid))
         self.release.setdefault(self.launched, []).append((rid, self.requests[rid]))
         return "seated"
 
@@ -141,7 +143,7 @@ class Seating:
         if seating is not None:
             seats, self.lanes.rows = seating
             for k, j in seats:
-                self._seat(int(plan.rid[k]), j)
+                self._seat(int(plan.rid[k]), j, int(plan.start[k]))
             if self._reserve(in_flight=1):
                 self.presched = self.launched
                 self._launch(self._live())
@@ -181,9 +183,14 @@ class Seating:
             rid, j = int(rids[k]), lanes[k]
             if j >= 0 and not self._riding(j, self.launched):
                 return None
-            # A newcomer rides only with its whole prompt (not a chunk, not a recomputation).
+            # A newcomer rides only with the rest of its prompt after its cache hits (not a chunk, not a
+            # recomputation).
             n = s.num_tokens(rid)
-            whole = plan.loop[k] == 0 and plan.start[k] == 0 and plan.length[k] == n
+            whole = (
+                plan.loop[k] == 0
+                and plan.start[k] == s.num_computed(rid)
+                and plan.start[k] + plan.length[k] == n
+            )
             if j < 0 and not (whole and self._plain(rid) and n == len(self.requests[rid].prompt_ids)):
                 return None
             rows, tokens = rows + 1, tokens + int(plan.length[k])
@@ -197,8 +204,9 @@ class Seating:
     def _riding(self, lane: int, launch: int) -> bool:
         return self.span[lane, 0] <= launch <= self.span[lane, 1]
 
-    def _seat(self, rid: int, j: int) -> None:
-        """Request rid (admitted, its prompt not started) rides in lane j from the next launch on."""
+    def _seat(self, rid: int, j: int, start: int) -> None:
+        """Request rid (admitted, its prompt not started; `start` prompt tokens cached) rides in lane j
+        from the next launch on."""
         s = self.core
         req = self.requests[rid]
         n = len(req.prompt_ids)
@@ -213,8 +221,11 @@ class Seating:
         self.lanes.seat(np.array([j], np.int64), fields)
         self.lane_rids[j], self.lane_of[rid] = rid, j
         self.lane_early[j] = lo < hi
+        self.lane_lp[j] = req.params.logprobs is not None
         self.span[j] = self.launched, self.launched + self.lanes.num_loops - 1
-        ids = np.asarray(req.prompt_ids, np.int64)
-        self.riders.append(Rider(rid=rid, lane=j, ids=ids, kv=s.kv_slot(rid), first=self.launched))
+        ids = np.asarray(req.prompt_ids[start:], np.int64)
+        self.riders.append(
+            Rider(rid=rid, lane=j, ids=ids, kv=s.kv_slot(rid), first=self.launched, start=start)
+        )
         self.total_riders += 1
         self._new_slots.append(s.kv_slot(rid))  # its block table goes to the device with the launch

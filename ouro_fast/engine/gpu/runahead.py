@@ -1,7 +1,8 @@
 """Run-ahead decode: launch the next loop before reading this loop's exits.
 
 When every scheduled row is a plain decode row (one generated token, no prefill,
-nothing waiting, sampling the fused sampler can do on the device), the engine
+nothing waiting, sampling the fused sampler can do on the device, log-probabilities
+included), the engine
 hands the batch to the device's decode lanes (engine/lanes.py): each launch
 decides exits, samples and moves every lane to its next loop on the device. The
 host launches step k+1 first and only then reads step k's records, so the GPU
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..plan import StepPlan, StepResult
+from ..plan import StepPlan, StepResult, TokenLogprobs
 from ..scheduler import RUNNING, Scheduler
 from .lanes import MAX_STOP_IDS, RING
 from .riders import Seating, rider_rows
@@ -58,6 +59,7 @@ class RunAhead(Seating):
         self.active = False
         self.lane_rids = np.zeros(0, np.int64)
         self.lane_early = np.zeros(0, bool)  # lanes whose exit window allows an early exit
+        self.lane_lp = np.zeros(runner.lanes.max_lanes, bool)  # lanes whose requests want log-probabilities
         self.full_depth = full_depth
         self.depth = depth
         if not 1 <= self.depth < RING:
@@ -94,11 +96,12 @@ class RunAhead(Seating):
         if not self.full_depth and not (plan.exit_lo < plan.exit_hi).any():
             # Full depth: exits are known in advance and the host path never waits on them.
             return False
-        return all(self._plain(int(rid)) for rid in plan.rid)
+        return all(self._plain(int(rid), starting=True) for rid in plan.rid)
 
-    def _plain(self, rid: int) -> bool:
-        # Sampling the device does alone: greedy or plain temperature, unseeded, few stop ids, no logprobs,
-        # no logits processors, no grammar. A shared prompt's prefix is not an engine request: it never rides.
+    def _plain(self, rid: int, starting: bool = False) -> bool:
+        # Sampling the device does alone: greedy or plain temperature, unseeded, few stop ids, no logits
+        # processors, no grammar. A shared prompt's prefix is not an engine request: it never rides. One that
+        # wants log-probabilities joins a run only once their graphs exist; start() captures them.
         req = self.requests.get(rid)
         if req is None:
             return False
@@ -110,7 +113,7 @@ class RunAhead(Seating):
             p.seed is None
             and plain
             and len(req.eos_ids) <= MAX_STOP_IDS
-            and p.logprobs is None
+            and (p.logprobs is None or starting or self.lanes.logprobs_ready)
             and p.structured is None
             and not processed
         )
@@ -122,6 +125,10 @@ class RunAhead(Seating):
         s, runner = self.core, self.runner
         r = plan.num_rows
         rids = plan.rid.astype(np.int64)
+        self.lane_lp[:] = False
+        self.lane_lp[:r] = plan.sampling.logprobs[rids] >= 0
+        if self.lane_lp.any():
+            self.lanes.prepare_logprobs()  # before the lanes' state is loaded
         self.lane_rids = np.full(self.lanes.max_lanes, -1, np.int64)
         self.lane_rids[:r] = rids
         if not self._reserve(in_flight=1):
@@ -146,6 +153,7 @@ class RunAhead(Seating):
         slots = np.unique(plan.kv_slot).astype(np.int64)
         self.riders, self.span[:] = [], -1
         self.lanes.start(lanes, hsrc, slots, self.blocks.tables)
+        self.lanes.logprobs = bool(self.lane_lp.any())
         self.lanes.launch()
         self.plan = plan
         self.active, self.launched, self.replayed, self.presched = True, 1, 0, 0
@@ -196,6 +204,7 @@ class RunAhead(Seating):
         self._new_slots = []
         tables = self.blocks.tables
         self.lanes.launch_inputs(kill, slots, tables, [rd.lane for rd in rows])
+        self.lanes.logprobs = bool((self.lane_lp & (self.lane_rids >= 0)).any())
         if rows:
             self.lanes.launch_with_riders(rows, tables)
         else:
@@ -256,7 +265,27 @@ class RunAhead(Seating):
         exited = rec[lanes, 1].astype(np.uint8)
         sampled = rec[lanes, 2].astype(np.int32)
         self.exit_launches += bool(exited.any())
-        apply(plan, StepResult(exited, sampled), t1 - t0, t2 - t1)
+        logprobs = self._logprobs(plan, launch, lanes, exited)
+        apply(plan, StepResult(exited, sampled, None, logprobs), t1 - t0, t2 - t1)
+
+    def _logprobs(self, plan: StepPlan, launch: int, lanes: np.ndarray, exited: np.ndarray):
+        """rid -> TokenLogprobs of the replayed launch's samples whose requests want them (None: none)."""
+        wanted = plan.sampling.logprobs[plan.rid]
+        rows = np.flatnonzero(exited.astype(bool) & (wanted >= 0))
+        if not rows.size:
+            return None
+        got = self.lanes.logprobs_result(launch)
+        if got is None:
+            raise RuntimeError("run-ahead diverged from the scheduler (a bug): a launch sampled for a "
+                               "request that wants log-probabilities without computing them")  # fmt: skip
+        vals, ids = got
+        out = {}
+        for r in rows:
+            j, n = lanes[r], int(wanted[r])
+            out[int(plan.rid[r])] = TokenLogprobs(
+                float(vals[j, 0]), int(vals[j, 1]), ids[j, :n].tolist(), vals[j, 2 : 2 + n].tolist()
+            )
+        return out
 
     def reset(self) -> None:
         """Forget the lanes without replaying (every request was ended: failure or shutdown)."""

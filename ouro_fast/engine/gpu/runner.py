@@ -122,15 +122,15 @@ class GpuRunner:
         bs = self.block_size
         for i, rd in enumerate(riders):
             row, o, k = lanes + i, rd.off, len(rd.ids)
-            p = np.arange(k)
+            p = rd.start + np.arange(k)
             table = tables[rd.kv, rd.loop]
             a["ids"][o : o + k], a["pos"][o : o + k] = rd.ids, p
             a["slot"][o : o + k] = table[p // bs].astype(np.int64) * bs + p % bs
-            a["hsrc"][o : o + k] = p + rd.prev_off if rd.loop > 0 else -1
+            a["hsrc"][o : o + k] = np.arange(k) + rd.prev_off if rd.loop > 0 else -1
             a["last"][row] = a["store"][row] = o + k - 1
             a["prev_last"][row] = rd.prev_off + k - 1 if rd.loop > 0 else -1
             b["bt"][row] = table
-            b["q_start"][row], b["len"][row], b["tok_off"][row], b["loop"][row] = 0, k, o, rd.loop
+            b["q_start"][row], b["len"][row], b["tok_off"][row], b["loop"][row] = rd.start, k, o, rd.loop
         self.i64.upload()
         self.i32.upload(self.i32.offset["bt"] + rows * b["bt"].shape[1])
         return rows, tokens, q_len
