@@ -298,3 +298,15 @@ def test_rolling_restart_under_load_fails_nothing(cluster):
     assert failures(outcomes) == []
     # Both restarted replicas are back in rotation.
     assert {o.replica for o in outcomes if o.started > restarted} == {"replica-0", "replica-1"}
+
+
+def test_proxy_latency_benchmark_measures_both_paths(capsys):
+    from bench import proxy_latency
+
+    assert proxy_latency.main(["--requests", "3", "--haproxy", HAPROXY]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests_per_path"] == 3
+    assert out["direct"]["p50_ms"] > 0 and out["haproxy"]["p50_ms"] > 0
+    assert out["added_ms"]["p50_ms"] == pytest.approx(
+        out["haproxy"]["p50_ms"] - out["direct"]["p50_ms"], abs=1e-3
+    )
