@@ -126,6 +126,26 @@ def test_logprobs_are_computed_in_the_lanes_as_on_the_host(model_dir):
     assert seen == {"late": True} and eng.ahead.total_riders == 1 and eng.ahead.hand_backs == 0
 
 
+def test_top_k_top_p_and_min_p_are_applied_in_the_lanes(model_dir):
+    # Each request samples at temperature 1 with a filter that keeps only its likeliest token, so the lanes
+    # must give the greedy tokens; a greedy request rides beside them, unfiltered.
+    hot = dict(max_tokens=5, temperature=1.0, exit_threshold=0.5, ignore_eos=True)
+    filters = ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0})
+    reqs = [(str(i), p, SamplingParams(**hot, **f)) for i, (p, f) in enumerate(zip(PROMPTS, filters))]
+    reqs.append(("g", [9, 8, 7, 6], greedy(5)))
+    want = tokens(run(engine(model_dir, run_ahead=False), [(k, p, greedy(5)) for k, p, _ in reqs]))
+    eng = engine(model_dir)
+    seen = []
+
+    def watch(e):
+        seen.append(e.ahead.active and e.ahead.lanes.filtering)
+        return False
+
+    got = tokens(run(eng, reqs, hook=watch))
+    assert got == want
+    assert eng.ahead.total_launches >= 4 and any(seen)
+
+
 def test_stop_ids_on_the_device_and_stop_strings_on_the_host(model_dir):
     base = tokens(run(engine(model_dir, run_ahead=False), [("a", PROMPTS[0], greedy(8))]))
     stop_tok = base["a"][0][3]  # a stop id the device sees: the lane ends itself
@@ -316,7 +336,7 @@ def test_ineligible_batches_stay_host_driven(model_dir):
     eng = engine(model_dir, run_ahead_full_depth=False)
     sampled = dict(max_tokens=3, temperature=1.0, exit_threshold=0.5, ignore_eos=True)
     run(eng, [("s", PROMPTS[0], SamplingParams(seed=3, **sampled))])  # seeded: the host sampler
-    run(eng, [("k", PROMPTS[0], SamplingParams(top_k=5, **sampled))])  # top-k: the host sampler
+    run(eng, [("r", PROMPTS[0], SamplingParams(repetition_penalty=1.2, **sampled))])  # a logits processor
     run(eng, [("f", PROMPTS[0], greedy(3, threshold=1.0))])  # full depth, switched off: nothing to wait for
     assert eng.ahead.total_launches == 0
     assert engine(model_dir, run_ahead=False).ahead is None

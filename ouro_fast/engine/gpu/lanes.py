@@ -13,6 +13,8 @@ active], into a ring in pinned host memory (its last kernel stores them there). 
 device when it samples one of its stop ids or reaches its length cap (the same
 rules as the engine), or when the host kills it (stop strings, aborts).
 
+Lanes sample greedily or at their temperature, with each request's top_k, top_p and min_p (the host
+sampler's masks, in the same order); launches with no lane that filters run graphs that sort nothing.
 When a lane's request asks for log-probabilities, the launches compute them on the device for every
 lane that samples (the sampled token's, its rank and the MAX_LOGPROBS likeliest, from the logits before
 temperature, as the host path's token_logprobs) and copy them into a second ring in pinned host memory.
@@ -26,6 +28,7 @@ first token. The rider's record has the prompt row's loop, exit and first token.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
@@ -36,7 +39,7 @@ from ...kernels.sample import sample_gumbel
 from ...kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear
 from ...model.triton_attention import TritonBatch
 from ...model.triton_loop import run_loop_fused
-from ..sampling import GREEDY_EPS, MAX_LOGPROBS
+from ..sampling import GREEDY_EPS, MAX_LOGPROBS, _min_p, _top_k_top_p
 from .lane_kernels import (
     lane_epilogue,
     lane_exits,
@@ -50,6 +53,11 @@ from .staging import StagingBuffers
 
 MAX_STOP_IDS = 8  # stop token ids a lane checks on the device; requests with more stay host-driven
 RING = 4  # launches whose records can be in flight to the host
+
+
+def filters(params) -> bool:
+    """The request samples with top_k, top_p or min_p (a greedy one takes the argmax whatever they say)."""
+    return not params.greedy and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0)
 
 
 class DecodeLanes:
@@ -70,8 +78,11 @@ class DecodeLanes:
         # A rider's prompt loop (-1: the lane carries no prompt) and whether its first token is out.
         self.ploop, self.pdone = torch.full((r,), -1, **i32), torch.zeros(r, **i32)
         self.log1mq, self.temp, self.ls = (torch.zeros(r, dtype=torch.float32, device=dev) for _ in range(3))
+        self.top_k = torch.zeros(r, **i32)  # 0: off
+        self.top_p, self.min_p = torch.ones(r, dtype=torch.float32, device=dev), torch.zeros(r, device=dev)
         self.h = torch.zeros(r, hidden, dtype=dtype, device=dev)
         self.tok_off = torch.arange(r, **i32)
+        self.lane_idx = torch.arange(r, **i64)
         self.launches = torch.zeros(1, **i64)
         self.seed = seed & ((1 << 62) - 1)
         self.tables = torch.full((num_slots, num_loops, max_blocks), -1, **i32)
@@ -86,7 +97,7 @@ class DecodeLanes:
         self.inputs = StagingBuffers(layout, torch.int32, dev)
         self._kill_on_device = np.full(r, -1, np.int32)  # what the last upload left there (none yet)
         self.init = StagingBuffers(
-            {"i64": (5 + MAX_STOP_IDS, r), "i32": (4, r), "f32": (3, r)}, torch.int64, dev
+            {"i64": (5 + MAX_STOP_IDS, r), "i32": (5, r), "f32": (4, r)}, torch.int64, dev
         )  # f32 and i32 parts travel as int64 words; i64's last row: the lane indices (seat)
         pin = dev.type == "cuda"
         self.host_records = torch.zeros(RING, r, 4, dtype=torch.int64, pin_memory=pin)
@@ -102,9 +113,13 @@ class DecodeLanes:
         self.host_lp_vals = torch.zeros(RING, r, 2 + MAX_LOGPROBS, dtype=torch.float32, pin_memory=pin)
         self.host_lp_ids = torch.zeros(RING, r, MAX_LOGPROBS, dtype=torch.int64, pin_memory=pin)
         self.logprobs = False  # the next launches compute log-probabilities (some lane wants them)
-        self.logprobs_ready = not runner.use_graphs  # their graphs are captured (prepare_logprobs)
+        self.filtering = False  # the next launches apply top_k / top_p / min_p (some lane samples so)
         self.lp_of = [False] * RING  # per ring slot: whether its launch computed them
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (lanes, log-probabilities)
+        # By (lanes, log-probabilities, filtering); the plain variant at start-up (capture), the others
+        # once a run needs them (prepare).
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        variants = {(lp, f) for lp in (False, True) for f in (False, True)}
+        self.prepared = set() if runner.use_graphs else variants
         self.rows = 0
         self.count = 0  # launches since start()
 
@@ -123,6 +138,9 @@ class DecodeLanes:
             t.copy_(d["i32"][j])
         self.log1mq.copy_(d["f32"][0].to(torch.int32).view(torch.float32))
         self.temp.copy_(d["f32"][1].to(torch.int32).view(torch.float32))
+        self.top_p.copy_(d["f32"][2].to(torch.int32).view(torch.float32))
+        self.min_p.copy_(d["f32"][3].to(torch.int32).view(torch.float32))
+        self.top_k.copy_(d["i32"][4])
         self.ls.zero_()
         self.ploop.fill_(-1)
         self.pdone.zero_()
@@ -149,6 +167,9 @@ class DecodeLanes:
             t.index_copy_(0, ix, d["i32"][j, :k].to(torch.int32))
         self.log1mq.index_copy_(0, ix, d["f32"][0, :k].to(torch.int32).view(torch.float32))
         self.temp.index_copy_(0, ix, d["f32"][1, :k].to(torch.int32).view(torch.float32))
+        self.top_p.index_copy_(0, ix, d["f32"][2, :k].to(torch.int32).view(torch.float32))
+        self.min_p.index_copy_(0, ix, d["f32"][3, :k].to(torch.int32).view(torch.float32))
+        self.top_k.index_copy_(0, ix, d["i32"][4, :k].to(torch.int32))
         self.ls.index_fill_(0, ix, 0.0)
         self.ploop.index_fill_(0, ix, 0)
         self.pdone.index_fill_(0, ix, 0)
@@ -169,9 +190,11 @@ class DecodeLanes:
         for j, k in enumerate(("loop", "lo", "hi")):
             i32[j, :n] = lanes[k]
         i32[3, :n] = active
+        i32[4, :n] = lanes["top_k"]
         f32[:, :] = 0
-        f32[0, :n] = lanes["log1mq"].view("int32")
-        f32[1, :n] = lanes["temp"].view("int32")
+        f32[2] = np.float32(1.0).view("int32")  # top_p off beyond n
+        for j, k in enumerate(("log1mq", "temp", "top_p", "min_p")):
+            f32[j, :n] = np.asarray(lanes[k], np.float32).view("int32")
         self.init.upload()
         return self.init.dev
 
@@ -203,12 +226,12 @@ class DecodeLanes:
 
     def launch(self) -> int:
         """Run one loop for every lane (a captured graph on CUDA); returns the launch's index."""
-        rows, lp = self.rows, self.logprobs
-        g = self.graphs.get((rows, lp))
+        rows, lp, filt = self.rows, self.logprobs, self.filtering
+        g = self.graphs.get((rows, lp, filt))
         if g is not None:
             g.replay()
         else:
-            self._step(rows, lp)
+            self._step(rows, lp, filt)
         return self._emit_records(rows)
 
     def launch_with_riders(self, riders: list, tables) -> int:
@@ -222,7 +245,11 @@ class DecodeLanes:
         exits = r.exits[: rows + k].to(torch.int32)
         logits = self._lm_head(r.x_last[: rows + k], exits)
         vocab = min(r.sampler.vocab_limit, logits.shape[1])
-        ids = sample_gumbel(logits, temp, seeds, GREEDY_EPS, vocab, row_gate=exits)
+        chosen = logits
+        if self.filtering:
+            lane = torch.cat([self.lane_idx[:rows], rider_lanes.long()])
+            chosen = self._filter(logits, temp, lane)
+        ids = sample_gumbel(chosen, temp, seeds, GREEDY_EPS, vocab, row_gate=exits)
         if self.logprobs:
             vals, top = self._logprobs(logits, ids)
             self.lp_vals[:rows], self.lp_ids[:rows] = vals[:rows], top[:rows]
@@ -276,30 +303,45 @@ class DecodeLanes:
         top, top_ids = lp.topk(MAX_LOGPROBS, dim=-1)
         return torch.cat([chosen, rank, top], dim=1), top_ids
 
-    def prepare_logprobs(self) -> None:
-        """Capture the graphs that compute log-probabilities (once, on first need; only while no run is
-        active: start() loads the lanes' state afterwards)."""
-        if not self.logprobs_ready:
+    def _filter(self, logits: torch.Tensor, temp: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+        """logits [rows, >= vocab] with what each row's lane's min_p, top_k and top_p drop at -inf, as the
+        host sampler drops it (after temperature; greedy rows keep their argmax). Graph-capturable."""
+        vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
+        scaled = logits[:, :vocab].float() / temp.clamp(min=GREEDY_EPS)[:, None]
+        scaled = _min_p(scaled, self.min_p[lane])
+        scaled = _top_k_top_p(scaled, self.top_k[lane].long(), self.top_p[lane])
+        out = logits.clone()
+        out[:, :vocab] = logits[:, :vocab].masked_fill(scaled == -math.inf, -math.inf)
+        return out
+
+    def ready(self, lp: bool, filt: bool) -> bool:
+        """The graphs of this variant are captured (or none are used)."""
+        return not (lp or filt) or (lp, filt) in self.prepared
+
+    def prepare(self, lp: bool, filt: bool) -> None:
+        """Capture the graphs of a variant (once, on first need; only while no run is active: start()
+        loads the lanes' state afterwards)."""
+        if not self.ready(lp, filt):
             self.active.zero_()  # so that warm-up and capture write no K/V
             for b in self._lane_counts():
-                self._graph(b, True)
-            self.logprobs_ready = True
+                self._graph(b, lp, filt)
+            self.prepared.add((lp, filt))
 
-    def _graph(self, rows: int, lp: bool = False) -> None:
-        if (rows, lp) not in self.graphs:
+    def _graph(self, rows: int, lp: bool = False, filt: bool = False) -> None:
+        if (rows, lp, filt) not in self.graphs:
             r = self.runner
             state = self._save()
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._step(rows, lp)  # compiles the kernels outside the capture
+                self._step(rows, lp, filt)  # compiles the kernels outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._restore(state)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=r.pool):
-                self._step(rows, lp)
+                self._step(rows, lp, filt)
             self._restore(state)
-            self.graphs[(rows, lp)] = g
+            self.graphs[(rows, lp, filt)] = g
 
     def _save(self):
         # Warm-up and capture run the step for real: keep the lane state as it was.
@@ -348,9 +390,9 @@ class DecodeLanes:
         rider_epilogue(self, self.runner, one, exits, ids, rows)
         self.ploop.fill_(-1)
 
-    def _step(self, rows: int, lp: bool = False) -> None:
-        """One loop for lanes [0, rows), with the samples' log-probabilities if lp: graph-capturable
-        (fixed shapes, no host reads)."""
+    def _step(self, rows: int, lp: bool = False, filt: bool = False) -> None:
+        """One loop for lanes [0, rows), with the samples' log-probabilities if lp and the lanes' top_k,
+        top_p and min_p if filt: graph-capturable (fixed shapes, no host reads)."""
         bs, kill = self.block_size, self.inputs.dev["kill"][:rows]
         embed = self.model.model.embed_tokens.weight
         h, tables, slot, q_start, run, seeds = lane_prologue(self, kill, embed, rows, bs)
@@ -362,7 +404,8 @@ class DecodeLanes:
         # Exiting lanes sample (the others get id -1, never read): greedy or Gumbel-max, Philox keyed by
         # (engine seed, launch, lane), so a launch's draws never depend on the host.
         vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
-        ids = sample_gumbel(logits, self.temp[:rows], seeds, GREEDY_EPS, vocab, row_gate=exits)
+        chosen = self._filter(logits, self.temp[:rows], self.lane_idx[:rows]) if filt else logits
+        ids = sample_gumbel(chosen, self.temp[:rows], seeds, GREEDY_EPS, vocab, row_gate=exits)
         if lp:
             vals, top = self._logprobs(logits, ids)
             self.lp_vals[:rows].copy_(vals)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..scheduler import RUNNING, WAITING
-from .lanes import MAX_STOP_IDS
+from .lanes import MAX_STOP_IDS, filters
 
 
 @dataclass
@@ -213,15 +213,18 @@ class Seating:
         stop_ids = np.full((1, MAX_STOP_IDS), -1, np.int64)
         stop_ids[0, : len(req.eos_ids)] = sorted(req.eos_ids)
         lo, hi, log1mq = req.exit_window
+        sp = self.scheduler.sampling
         fields = {
             "tok": [0], "pos": [n], "kvrow": [s.kv_slot(rid)], "cap": [s.cap(rid)], "stop_ids": stop_ids,
             "loop": [0], "lo": [lo], "hi": [hi], "log1mq": np.array([log1mq], np.float32),
-            "temp": self.scheduler.sampling.temperature[rid : rid + 1],
+            "temp": sp.temperature[rid : rid + 1], "top_k": sp.top_k[rid : rid + 1],
+            "top_p": sp.top_p[rid : rid + 1], "min_p": sp.min_p[rid : rid + 1],
         }  # fmt: skip
         self.lanes.seat(np.array([j], np.int64), fields)
         self.lane_rids[j], self.lane_of[rid] = rid, j
         self.lane_early[j] = lo < hi
         self.lane_lp[j] = req.params.logprobs is not None
+        self.lane_filter[j] = filters(req.params)
         self.span[j] = self.launched, self.launched + self.lanes.num_loops - 1
         ids = np.asarray(req.prompt_ids[start:], np.int64)
         self.riders.append(

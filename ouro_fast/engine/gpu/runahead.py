@@ -1,8 +1,8 @@
 """Run-ahead decode: launch the next loop before reading this loop's exits.
 
 When every scheduled row is a plain decode row (one generated token, no prefill,
-nothing waiting, sampling the fused sampler can do on the device, log-probabilities
-included), the engine
+nothing waiting, sampling the device can do: greedy or temperature with top_k, top_p
+and min_p, unseeded, log-probabilities included), the engine
 hands the batch to the device's decode lanes (engine/lanes.py): each launch
 decides exits, samples and moves every lane to its next loop on the device. The
 host launches step k+1 first and only then reads step k's records, so the GPU
@@ -31,7 +31,7 @@ import torch
 
 from ..plan import StepPlan, StepResult, TokenLogprobs
 from ..scheduler import RUNNING, Scheduler
-from .lanes import MAX_STOP_IDS, RING
+from .lanes import MAX_STOP_IDS, RING, filters
 from .riders import Seating, rider_rows
 from .runner import GpuRunner
 
@@ -60,6 +60,7 @@ class RunAhead(Seating):
         self.lane_rids = np.zeros(0, np.int64)
         self.lane_early = np.zeros(0, bool)  # lanes whose exit window allows an early exit
         self.lane_lp = np.zeros(runner.lanes.max_lanes, bool)  # lanes whose requests want log-probabilities
+        self.lane_filter = np.zeros(runner.lanes.max_lanes, bool)  # lanes that sample with top_k/top_p/min_p
         self.full_depth = full_depth
         self.depth = depth
         if not 1 <= self.depth < RING:
@@ -99,21 +100,21 @@ class RunAhead(Seating):
         return all(self._plain(int(rid), starting=True) for rid in plan.rid)
 
     def _plain(self, rid: int, starting: bool = False) -> bool:
-        # Sampling the device does alone: greedy or plain temperature, unseeded, few stop ids, no logits
-        # processors, no grammar. A shared prompt's prefix is not an engine request: it never rides. One that
-        # wants log-probabilities joins a run only once their graphs exist; start() captures them.
+        # Sampling the device does alone: greedy or temperature with top_k/top_p/min_p, unseeded, few stop
+        # ids, no logits processors, no grammar. A shared prompt's prefix is not an engine request: it never
+        # rides. A newcomer that needs launches of a variant not captured yet (log-probabilities,
+        # filtering) waits for a run's start, which captures them.
         req = self.requests.get(rid)
         if req is None:
             return False
         p = req.params
-        plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p == 0)
         processed = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or p.logit_bias
         processed = processed or p.min_tokens
+        variant = (self.lanes.logprobs or p.logprobs is not None, self.lanes.filtering or filters(p))
         return (
             p.seed is None
-            and plain
             and len(req.eos_ids) <= MAX_STOP_IDS
-            and (p.logprobs is None or starting or self.lanes.logprobs_ready)
+            and (starting or self.lanes.ready(*variant))
             and p.structured is None
             and not processed
         )
@@ -125,10 +126,11 @@ class RunAhead(Seating):
         s, runner = self.core, self.runner
         r = plan.num_rows
         rids = plan.rid.astype(np.int64)
-        self.lane_lp[:] = False
-        self.lane_lp[:r] = plan.sampling.logprobs[rids] >= 0
-        if self.lane_lp.any():
-            self.lanes.prepare_logprobs()  # before the lanes' state is loaded
+        s_ = plan.sampling
+        self.lane_lp[:], self.lane_filter[:] = False, False
+        self.lane_lp[:r] = s_.logprobs[rids] >= 0
+        self.lane_filter[:r] = [filters(self.requests[int(rid)].params) for rid in rids]
+        self.lanes.prepare(bool(self.lane_lp.any()), bool(self.lane_filter.any()))  # before the state loads
         self.lane_rids = np.full(self.lanes.max_lanes, -1, np.int64)
         self.lane_rids[:r] = rids
         if not self._reserve(in_flight=1):
@@ -144,7 +146,8 @@ class RunAhead(Seating):
             "tok": plan.token_ids, "pos": plan.positions, "kvrow": plan.kv_slot,
             "cap": np.array([s.cap(int(rid)) for rid in rids]), "stop_ids": stop_ids,
             "loop": plan.loop, "lo": plan.exit_lo, "hi": plan.exit_hi,
-            "log1mq": plan.log1mq, "temp": plan.sampling.temperature[rids],
+            "log1mq": plan.log1mq, "temp": s_.temperature[rids], "top_k": s_.top_k[rids],
+            "top_p": s_.top_p[rids], "min_p": s_.min_p[rids],
         }  # fmt: skip
         hsrc = torch.from_numpy(plan.hidden_src.copy()).to(runner.device)
         self.lane_of[rids] = np.arange(r)
@@ -154,6 +157,7 @@ class RunAhead(Seating):
         self.riders, self.span[:] = [], -1
         self.lanes.start(lanes, hsrc, slots, self.blocks.tables)
         self.lanes.logprobs = bool(self.lane_lp.any())
+        self.lanes.filtering = bool(self.lane_filter.any())
         self.lanes.launch()
         self.plan = plan
         self.active, self.launched, self.replayed, self.presched = True, 1, 0, 0
@@ -204,7 +208,9 @@ class RunAhead(Seating):
         self._new_slots = []
         tables = self.blocks.tables
         self.lanes.launch_inputs(kill, slots, tables, [rd.lane for rd in rows])
-        self.lanes.logprobs = bool((self.lane_lp & (self.lane_rids >= 0)).any())
+        held = self.lane_rids >= 0
+        self.lanes.logprobs = bool((self.lane_lp & held).any())
+        self.lanes.filtering = bool((self.lane_filter & held).any())
         if rows:
             self.lanes.launch_with_riders(rows, tables)
         else:
