@@ -354,6 +354,33 @@ class BlockTable:
         return n
 
     @cython.initializedcheck(False)
+    def probe(
+        self,
+        hashes: cython.const[cython.longlong][:],
+        tokens: cython.const[cython.int][:],
+        max_blocks: cython.Py_ssize_t,
+    ) -> int:
+        """How many blocks lookup() would take now for these hashes (at most max_blocks); changes nothing."""
+        i: cython.Py_ssize_t
+        e: cython.int
+        prev: cython.int = -1
+        n: cython.Py_ssize_t = max_blocks
+        if not self._caching:
+            return 0
+        if n > hashes.shape[0]:
+            n = hashes.shape[0]
+        if n > self._max_blocks_per_seq:
+            n = self._max_blocks_per_seq
+        if n * self._block_size > tokens.shape[0]:
+            n = tokens.shape[0] // self._block_size
+        for i in range(n):
+            e = self._entry_at(hashes[i], i, prev, tokens)
+            if e < 0:
+                return i
+            prev = e
+        return n
+
+    @cython.initializedcheck(False)
     def cache(
         self,
         slot: cython.Py_ssize_t,

@@ -318,6 +318,16 @@ class LoopScheduler:
         """The request's row in the block tables, -1 while it holds no KV."""
         return self._kv_slot[rid]
 
+    def cached_now(self, rid: int) -> int:
+        """Prompt tokens the waiting request's admission would take from the prefix cache now (admit_now,
+        schedule()); nothing changes."""
+        bs: cython.int = cython.cast(cython.int, self.bt._block_size)
+        if self._status[rid] != WAITING or not self._may_hit[rid] or self._hashes[rid] is None:
+            return 0
+        if self._shared[rid] is not None:
+            return 0
+        return self.bt.probe(self._hashes[rid], self._tokens[rid], (self._num_prompt[rid] - 1) // bs) * bs
+
     @cython.initializedcheck(True)
     def num_computed(self, rid: int) -> int:
         """Known tokens whose K/V every loop holds (prefix-cache hits included)."""

@@ -456,6 +456,21 @@ def test_hit_takes_every_loop_of_the_cached_blocks(mod):
     assert bt.lookup(0, hashes, tokens, 3) == 3 and bt.num_free_blocks == 32 - 12
 
 
+def test_probe_counts_what_lookup_would_take_and_changes_nothing(mod):
+    bt = mod.BlockTable(
+        num_blocks=32, block_size=4, num_loops=2, max_seqs=3, max_blocks_per_seq=4, caching=True
+    )
+    tokens = np.arange(14, dtype=np.int32)
+    hashes = cached_prompt(bt, 0, tokens)
+    longer = np.concatenate([tokens[:12], [99, 98, 97, 96]]).astype(np.int32)
+    before = (bt.num_free_blocks, bt.refs.copy(), bt.tables.copy())
+    assert bt.probe(hashes, tokens, 3) == 3 and bt.probe(hashes, tokens, 2) == 2
+    assert bt.probe(bt.hash_blocks(longer, 16), longer, 4) == 3  # the fourth block differs
+    assert bt.probe(hashes, tokens + 100, 3) == 0  # same hashes, other tokens
+    assert bt.num_free_blocks == before[0] and (bt.refs == before[1]).all() and (bt.tables == before[2]).all()
+    assert bt.lookup(1, hashes, tokens, 3) == bt.probe(hashes, tokens, 3) == 3
+
+
 def test_a_hash_collision_is_a_miss(mod):
     bt = mod.BlockTable(
         num_blocks=32, block_size=4, num_loops=2, max_seqs=3, max_blocks_per_seq=4, caching=True

@@ -418,13 +418,14 @@ def test_exit_steps_count_the_launches_where_a_row_exited(model_dir):
 
 @pytest.mark.parametrize("case", ["seated", "joined"])
 def test_newcomers_with_cached_prompts_ride_from_their_cache_hits(model_dir, case):
-    # A newcomer takes its prefix-cache hits and its lane computes the rest of its prompt: seated at once
-    # (9 tokens), or, too long to seat at once (20 tokens, a step holds 16), after the host caught up and
-    # scheduled it from its hits. Either way: the tokens of a cold host-path run.
+    # A 20-token newcomer (a step holds 16) whose first 16 tokens are cached takes its hits and its lane
+    # computes the other 4: seated at once in a free lane, or, with every lane busy, after the host caught
+    # up and doubled the lanes. Either way: the tokens of a cold host-path run.
     cached = list(range(40, 58))  # 18 tokens: four 4-token blocks cached by the first request
     warm = ("warm", cached, greedy(2))
-    late = ("late", cached[:8] + [1], greedy(4)) if case == "seated" else ("late", cached + [2, 3], greedy(4))
-    early = [(str(i), p, greedy(8)) for i, p in enumerate(PROMPTS)]
+    late = ("late", cached + [2, 3], greedy(4))
+    prompts = PROMPTS if case == "seated" else [*PROMPTS, [60, 61, 62]]  # 3 of 4 lanes busy, or all 4
+    early = [(str(i), p, greedy(8)) for i, p in enumerate(prompts)]
     cold = engine(model_dir, run_ahead=False, block_size=4, enable_prefix_caching=False)
     want = tokens(run(cold, [warm] + early + [late]))
     eng = engine(model_dir, block_size=4)
@@ -439,6 +440,6 @@ def test_newcomers_with_cached_prompts_ride_from_their_cache_hits(model_dir, cas
     done = run(eng, early, hook=add_late)
     got.update(tokens(done))
     assert got == want
-    assert done["late"].cached_tokens == (8 if case == "seated" else 16)
+    assert done["late"].cached_tokens == 16
     assert eng.ahead.total_riders == 1 and eng.ahead.hand_backs == 0
     assert eng.ahead.catch_ups == (0 if case == "seated" else 1)

@@ -112,8 +112,10 @@ class Seating:
         free = [j for j in range(self.lanes.rows) if self.lane_rids[j] < 0]
         if not free or not self._plain(rid):
             return "no"
-        # The step: the lanes' tokens and every rider's prompt (those seated before ride this launch too).
-        tokens = self.lanes.rows + sum(len(rd.ids) for rd in self.riders) + s.num_tokens(rid)
+        # The step: the lanes' tokens and every rider's prompt (those seated before ride this launch too),
+        # this one's from its prefix-cache hits on.
+        need = s.num_tokens(rid) - s.cached_now(rid)
+        tokens = self.lanes.rows + sum(len(rd.ids) for rd in self.riders) + need
         rows = self.lanes.rows + len(self.riders) + 1
         if tokens > self.runner.max_tokens or rows > self.runner.max_rows:
             return "wait" if self.riders else "no"
