@@ -3,6 +3,7 @@ exactly as `vllm bench serve` does, and a Prometheus text parser."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -21,6 +22,15 @@ BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 180.0
 
 
+def serve_command() -> list[str]:
+    """How deploy/haproxy/replicas.py starts `ouro-fast` (the console script, or the installed module)."""
+    path = Path(__file__).resolve().parents[1] / "deploy" / "haproxy" / "replicas.py"
+    spec = importlib.util.spec_from_file_location("ouro_fast_replicas", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.serve_command()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -35,9 +45,7 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if mode == "cli":
-            # The console script beside the interpreter (a venv), else the module (a system Python).
-            script = BIN / "ouro-fast"
-            exe = [str(script)] if script.exists() else [sys.executable, "-m", "ouro_fast.cli"]
+            exe = serve_command()
             argv = [*exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         else:
             argv = [

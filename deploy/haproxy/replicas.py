@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,19 @@ def render_config(ports: list[int], port: int, bind: str = "0.0.0.0", stats_port
     return text
 
 
+def serve_command() -> list[str]:
+    """`ouro-fast` beside the launcher's interpreter (a venv), else on PATH (a system Python keeps its
+    scripts elsewhere), else the interpreter running the module (-P where there is one: not a source
+    tree in the working directory)."""
+    script = Path(sys.executable).with_name("ouro-fast")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("ouro-fast")
+    if found:
+        return [found]
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "ouro_fast.cli"]
+
+
 def healthy(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
@@ -56,9 +70,7 @@ class Replica:
         self.exited_at: float | None = None
 
     def start(self) -> None:
-        # The launcher's own interpreter: its scripts folder need not hold `ouro-fast` (a system Python's).
-        argv = [sys.executable, "-m", "ouro_fast.cli", "serve", "--host", "127.0.0.1",
-                "--port", str(self.port), *self.serve_args]  # fmt: skip
+        argv = [*serve_command(), "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.serve_args]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpu}
         with open(self.run_dir / f"replica-{self.index}.log", "ab") as log:
             # Its own session: a Ctrl-C at the launcher's terminal reaches the launcher only.
