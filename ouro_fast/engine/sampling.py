@@ -237,9 +237,9 @@ class Sampler:
         index = torch.tensor(sampled, device=device)
         scaled = x[index] / temp_cpu[sampled].to(device)[:, None]
         if uses_min_p:
-            scaled = _min_p(scaled, min_p.detach().to("cpu", torch.float32)[sampled].to(device))
+            scaled = mask_min_p(scaled, min_p.detach().to("cpu", torch.float32)[sampled].to(device))
         if bool((top_k_cpu > 0).any()) or bool((top_p_cpu < 1).any()):
-            scaled = _top_k_top_p(scaled, top_k_cpu.to(device), top_p_cpu.to(device))
+            scaled = mask_top_k_top_p(scaled, top_k_cpu.to(device), top_p_cpu.to(device))
         noise = self._uniform_noise(
             scaled.shape, [seeds[r] for r in sampled], [output_index[r] for r in sampled]
         )
@@ -301,14 +301,14 @@ class Sampler:
         return noise
 
 
-def _min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def mask_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Masks to -inf every token less probable than min_p times the likeliest one (after temperature)."""
     probs = scaled.softmax(dim=-1)
     keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
     return scaled.masked_fill(~keep, -math.inf)
 
 
-def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def mask_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Masks to -inf all but each row's top_k logits (k <= 0: all), then all but the smallest
     prefix of those, by probability, whose mass reaches top_p (always at least one token)."""
     vocab = scaled.shape[1]

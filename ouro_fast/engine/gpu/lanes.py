@@ -39,7 +39,7 @@ from ...kernels.sample import sample_gumbel
 from ...kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear
 from ...model.triton_attention import TritonBatch
 from ...model.triton_loop import run_loop_fused
-from ..sampling import GREEDY_EPS, MAX_LOGPROBS, _min_p, _top_k_top_p
+from ..sampling import GREEDY_EPS, MAX_LOGPROBS, mask_min_p, mask_top_k_top_p
 from .lane_kernels import (
     lane_epilogue,
     lane_exits,
@@ -308,8 +308,8 @@ class DecodeLanes:
         host sampler drops it (after temperature; greedy rows keep their argmax). Graph-capturable."""
         vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
         scaled = logits[:, :vocab].float() / temp.clamp(min=GREEDY_EPS)[:, None]
-        scaled = _min_p(scaled, self.min_p[lane])
-        scaled = _top_k_top_p(scaled, self.top_k[lane].long(), self.top_p[lane])
+        scaled = mask_min_p(scaled, self.min_p[lane])
+        scaled = mask_top_k_top_p(scaled, self.top_k[lane].long(), self.top_p[lane])
         out = logits.clone()
         out[:, :vocab] = logits[:, :vocab].masked_fill(scaled == -math.inf, -math.inf)
         return out
