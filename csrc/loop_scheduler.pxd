@@ -148,6 +148,7 @@ cdef class LoopScheduler:
     cdef void _wait_insert(self, int rid) noexcept nogil
     cdef int _new_request(self, object prompt, int cap_tokens) except -1
     cdef int _release_children(self, int prefix, int num_blocks) except -1
+    cdef int _most_hits(self, int rid) noexcept nogil
     cdef bint _take_kv(self, int rid, int budget) except -1
     cdef int _register(self, int rid) except -1
     cdef int _release_slot(self, int rid, bint keep) except -1

@@ -318,15 +318,16 @@ class LoopScheduler:
         """The request's row in the block tables, -1 while it holds no KV."""
         return self._kv_slot[rid]
 
+    @cython.initializedcheck(True)
     def cached_now(self, rid: int) -> int:
         """Prompt tokens the waiting request's admission would take from the prefix cache now (admit_now,
         schedule()); nothing changes."""
-        bs: cython.int = cython.cast(cython.int, self.bt._block_size)
         if self._status[rid] != WAITING or not self._may_hit[rid] or self._hashes[rid] is None:
             return 0
         if self._shared[rid] is not None:
             return 0
-        return self.bt.probe(self._hashes[rid], self._tokens[rid], (self._num_prompt[rid] - 1) // bs) * bs
+        hits = self.bt.probe(self._hashes[rid], self._tokens[rid], self._most_hits(rid))
+        return hits * cython.cast(cython.int, self.bt._block_size)
 
     @cython.initializedcheck(True)
     def num_computed(self, rid: int) -> int:
@@ -667,6 +668,10 @@ class LoopScheduler:
         self._off = off
         return r
 
+    def _most_hits(self, rid: cython.int) -> cython.int:
+        """Prefix-cache blocks an admission may take: hits stop short of the last prompt token."""
+        return (self._num_prompt[rid] - 1) // cython.cast(cython.int, self.bt._block_size)
+
     def _take_kv(self, rid: cython.int, budget: cython.int) -> cython.bint:
         """Blocks for an admitted request's next chunk within `budget` tokens: its shared blocks or cache
         hits (computed already), then its own. False when the pool lacks them (the caller frees the slot)."""
@@ -675,7 +680,7 @@ class LoopScheduler:
         hit: cython.int = 0
         end: cython.int
         need: cython.int
-        most: cython.int = (self._num_prompt[rid] - 1) // bs  # hits stop short of the last prompt token
+        most: cython.int = self._most_hits(rid)
         shared = self._shared[rid]
         if shared is None:
             if self._may_hit[rid] and self._hashes[rid] is not None:

@@ -126,13 +126,13 @@ class RunAhead(Seating):
         s, runner = self.core, self.runner
         r = plan.num_rows
         rids = plan.rid.astype(np.int64)
-        s_ = plan.sampling
-        self.lane_lp[:], self.lane_filter[:] = False, False
-        self.lane_lp[:r] = s_.logprobs[rids] >= 0
-        self.lane_filter[:r] = [filters(self.requests[int(rid)].params) for rid in rids]
-        self.lanes.prepare(bool(self.lane_lp.any()), bool(self.lane_filter.any()))  # before the state loads
+        sp = plan.sampling
         self.lane_rids = np.full(self.lanes.max_lanes, -1, np.int64)
         self.lane_rids[:r] = rids
+        self.lane_lp[:], self.lane_filter[:] = False, False
+        self.lane_lp[:r] = sp.logprobs[rids] >= 0
+        self.lane_filter[:r] = [filters(self.requests[int(rid)].params) for rid in rids]
+        self.lanes.prepare(*self._variant())  # before the lanes' state loads
         if not self._reserve(in_flight=1):
             self.lane_rids = np.zeros(0, np.int64)
             return False
@@ -146,8 +146,8 @@ class RunAhead(Seating):
             "tok": plan.token_ids, "pos": plan.positions, "kvrow": plan.kv_slot,
             "cap": np.array([s.cap(int(rid)) for rid in rids]), "stop_ids": stop_ids,
             "loop": plan.loop, "lo": plan.exit_lo, "hi": plan.exit_hi,
-            "log1mq": plan.log1mq, "temp": s_.temperature[rids], "top_k": s_.top_k[rids],
-            "top_p": s_.top_p[rids], "min_p": s_.min_p[rids],
+            "log1mq": plan.log1mq, "temp": sp.temperature[rids], "top_k": sp.top_k[rids],
+            "top_p": sp.top_p[rids], "min_p": sp.min_p[rids],
         }  # fmt: skip
         hsrc = torch.from_numpy(plan.hidden_src.copy()).to(runner.device)
         self.lane_of[rids] = np.arange(r)
@@ -156,8 +156,7 @@ class RunAhead(Seating):
         slots = np.unique(plan.kv_slot).astype(np.int64)
         self.riders, self.span[:] = [], -1
         self.lanes.start(lanes, hsrc, slots, self.blocks.tables)
-        self.lanes.logprobs = bool(self.lane_lp.any())
-        self.lanes.filtering = bool(self.lane_filter.any())
+        self.lanes.logprobs, self.lanes.filtering = self._variant()
         self.lanes.launch()
         self.plan = plan
         self.active, self.launched, self.replayed, self.presched = True, 1, 0, 0
@@ -208,9 +207,7 @@ class RunAhead(Seating):
         self._new_slots = []
         tables = self.blocks.tables
         self.lanes.launch_inputs(kill, slots, tables, [rd.lane for rd in rows])
-        held = self.lane_rids >= 0
-        self.lanes.logprobs = bool((self.lane_lp & held).any())
-        self.lanes.filtering = bool((self.lane_filter & held).any())
+        self.lanes.logprobs, self.lanes.filtering = self._variant()
         if rows:
             self.lanes.launch_with_riders(rows, tables)
         else:
@@ -219,6 +216,11 @@ class RunAhead(Seating):
         self.total_launches += 1
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _variant(self) -> tuple[bool, bool]:
+        """Whether the launches must compute log-probabilities, and filter: some held lane asks."""
+        held = self.lane_rids >= 0
+        return bool((self.lane_lp & held).any()), bool((self.lane_filter & held).any())
 
     def _live(self) -> np.ndarray:
         s = self.core
