@@ -48,8 +48,10 @@ class ServerProcess:
             exe = serve_command()
             argv = [*exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         else:
+            # The console script beside the interpreter, else the module (wheels installed with --target).
+            sanic = [str(BIN / "sanic")] if (BIN / "sanic").exists() else [sys.executable, "-P", "-m", "sanic"]
             argv = [
-                str(BIN / "sanic"),
+                *sanic,
                 "ouro_fast.server:app",
                 "--host",
                 "127.0.0.1",

@@ -443,3 +443,48 @@ def test_newcomers_with_cached_prompts_ride_from_their_cache_hits(model_dir, cas
     assert done["late"].cached_tokens == 16
     assert eng.ahead.total_riders == 1 and eng.ahead.hand_backs == 0
     assert eng.ahead.catch_ups == (0 if case == "seated" else 1)
+
+
+def test_grammar_masks_are_applied_in_the_lanes_at_full_depth(model_dir):
+    # JSON and regex requests at full depth (their next token's bitmask reaches the device in time) run
+    # ahead, one of them riding in mid-run; a grammar request that may exit after its first loop stays
+    # host-driven. Tokens equal the host path's and every output matches its grammar.
+    import json
+    import re
+
+    from ouro_fast.engine.structured import StructuredOutput
+
+    n = {"type": "integer", "minimum": 0, "maximum": 99}
+    schema = {"type": "object", "properties": {"n": n}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    js = StructuredOutput("json", json.dumps(schema))
+    rx = StructuredOutput("regex", "[a-c]{3}-[0-9]{2}")
+
+    def params(s, threshold=1.0, **kw):
+        return SamplingParams(max_tokens=24, temperature=0, exit_threshold=threshold, structured=s, **kw)
+
+    early = [("j", PROMPTS[0], params(js)), ("r", PROMPTS[1], params(rx)), ("f", PROMPTS[2], greedy(6, 1.0))]
+    late = ("late", [9, 8, 7, 6], params(js))
+    host = run(engine(model_dir, run_ahead=False), early + [late])
+    eng = engine(model_dir)
+    seen = []
+
+    def add_late(e):
+        if e.ahead.active and e.ahead.launched >= 2:
+            e.add_request(*late)
+            seen.append(e.ahead.lanes.masking)
+            return True
+        return False
+
+    done = run(eng, early, hook=add_late)
+    assert tokens(done) == tokens(host)
+    assert seen == [True] and eng.ahead.total_riders == 1 and eng.ahead.hand_backs == 0
+    assert [done[k].finish_reason for k in ("j", "r", "late")] == ["stop"] * 3
+    for k in ("j", "late"):
+        assert json.loads(done[k].request.text).keys() == {"n"}
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", done["r"].request.text)
+    # Early exit after the first loop: the mask could not reach the device in time, so it never rides.
+    eng = engine(model_dir)
+    reqs = [("e", PROMPTS[0], params(rx, threshold=0.5, min_loops=1))]
+    assert tokens(run(eng, reqs)) == tokens(run(engine(model_dir, run_ahead=False), reqs))
+    assert eng.ahead.runs == 0

@@ -118,3 +118,24 @@ def test_sampler_takes_the_fused_path_only_for_plain_rows(monkeypatch):
     # Filters on greedy rows do not matter: still fused.
     _call(fused, logits, 0.0, top_k=5)
     assert len(calls) == n + 1
+
+
+def test_mask_tokens_clears_exactly_the_tokens_whose_bits_are_clear():
+    g = torch.Generator().manual_seed(3)
+    vocab, words = 70, 3  # the last word is partly beyond the vocabulary
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=g, dtype=torch.int32)
+    bitmask[3] = -1  # all allowed
+    rows = torch.tensor([2, 0, 3, 2, 1], dtype=torch.int64)
+    logits = torch.randn(5, 80, generator=g).to(torch.bfloat16)
+    got = logits.clone().to(DEV)
+    sample_mod.mask_tokens_(got, bitmask.to(DEV), rows.to(DEV), vocab)
+    bits = (bitmask[rows][:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = torch.ones(5, 80, dtype=torch.bool)
+    allowed[:, :vocab] = bits.reshape(5, -1)[:, :vocab] != 0
+    want = logits.masked_fill(~allowed, float("-inf"))
+    assert torch.equal(got.cpu(), want)
+    assert torch.isinf(got[2]).sum() == 0 and torch.isinf(got.cpu()).any()
+    with pytest.raises(ValueError, match="bitmask"):
+        sample_mod.mask_tokens_(got, bitmask[:, :2].contiguous().to(DEV), rows.to(DEV), vocab)
+    with pytest.raises(ValueError, match="row_mask"):
+        sample_mod.mask_tokens_(got, bitmask.to(DEV), rows.int().to(DEV), vocab)

@@ -89,3 +89,34 @@ def sample_gumbel(
             GATED=row_gate is not None, num_warps=warps, **pdl_launch(logits.device),
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def _bitmask_kernel(logits_ptr, mask_ptr, row_mask_ptr, V, stride, stride_m, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < V
+    m = tl.load(row_mask_ptr + row).to(tl.int64)
+    words = tl.load(mask_ptr + m * stride_m + offs // 32, mask=ok, other=-1)
+    allowed = ((words >> (offs % 32)) & 1) != 0
+    ninf = tl.full([BLOCK], float("-inf"), logits_ptr.dtype.element_ty)
+    tl.store(logits_ptr + row * stride + offs, ninf, mask=ok & ~allowed)
+
+
+def mask_tokens_(logits: torch.Tensor, bitmask: torch.Tensor, row_mask: torch.Tensor, vocab: int) -> None:
+    """In place: logits[r, t] = -inf for every t < vocab whose bit is clear in bitmask[row_mask[r]] (int32
+    [M, >= ceil(vocab / 32)]; bit t % 32 of word t // 32, xgrammar's layout). row_mask: int64 [R]."""
+    check_float("logits", logits)
+    r = logits.shape[0]
+    if logits.dim() != 2 or not 0 < vocab <= logits.shape[1] or logits.stride(1) != 1:
+        raise ValueError(f"logits must be a row-major [R, >= {vocab}], got {tuple(logits.shape)}")
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or 32 * bitmask.shape[1] < vocab:
+        raise ValueError(f"bitmask must be int32 [M, >= {-(-vocab // 32)}], got {bitmask.dtype} "
+                         f"{tuple(bitmask.shape)}")  # fmt: skip
+    if row_mask.shape != (r,) or row_mask.dtype != torch.int64:
+        raise ValueError(f"row_mask must be int64 [{r}], got {row_mask.dtype} {tuple(row_mask.shape)}")
+    if r:
+        block = min(1024, next_pow2(vocab))
+        _bitmask_kernel[(r, triton.cdiv(vocab, block))](
+            logits, bitmask, row_mask, vocab, logits.stride(0), bitmask.stride(0), BLOCK=block, num_warps=4
+        )

@@ -20,6 +20,11 @@ lane that samples (the sampled token's, its rank and the MAX_LOGPROBS likeliest,
 temperature, as the host path's token_logprobs) and copy them into a second ring in pinned host memory.
 Launches without such a lane run graphs that compute none.
 
+A lane whose request must match a grammar (structured output) samples under its next-token bitmask, which
+the host fills from the request's matcher and uploads before the launch that can sample that token
+(runahead.py decides when that is possible). The mask applies before the filters, as on the host; lanes
+without a grammar hold an all-ones row, and launches with no grammar lane run graphs that mask nothing.
+
 A free lane can also carry a newcomer's prompt (a rider, riders.py): while
 the prompt runs its loops the launch is the runner's step graph over the lanes'
 tokens and the prompt's, and after the prompt's last loop the lane decodes the
@@ -35,7 +40,7 @@ import numpy as np
 import torch
 
 from ...kernels import propagate_kv
-from ...kernels.sample import sample_gumbel
+from ...kernels.sample import mask_tokens_, sample_gumbel
 from ...kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear
 from ...model.triton_attention import TritonBatch
 from ...model.triton_loop import run_loop_fused
@@ -91,6 +96,11 @@ class DecodeLanes:
         # Rows for every lane and as many riders.
         vocab = runner.model.lm_head_weight().shape[0]
         self.logits_buf = torch.zeros(min(2 * r, SKINNY_MAX_M), vocab, dtype=dtype, device=dev)
+        # Per lane, the next token's grammar bitmask (bit t of word w: token 32 * w + t allowed), and the rows
+        # the host uploads before a launch.
+        self.words = -(-vocab // 32)
+        self.gmask = torch.full((r, self.words), -1, **i32)
+        self.mask_in = StagingBuffers({"lanes": (r,), "gm": (r, self.words)}, torch.int32, dev)
         self.prop_src, self.prop_dst = (torch.full(((num_loops - 1) * r,), -1, **i64) for _ in range(2))
         # Per launch from the host: the kill mask, the riders' lanes, and block-table rows that changed.
         layout = {"kill": (r,), "riders": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}
@@ -114,11 +124,12 @@ class DecodeLanes:
         self.host_lp_ids = torch.zeros(RING, r, MAX_LOGPROBS, dtype=torch.int64, pin_memory=pin)
         self.logprobs = False  # the next launches compute log-probabilities (some lane wants them)
         self.filtering = False  # the next launches apply top_k / top_p / min_p (some lane samples so)
+        self.masking = False  # the next launches apply grammar bitmasks (some lane has a grammar)
         self.lp_of = [False] * RING  # per ring slot: whether its launch computed them
-        # By (lanes, log-probabilities, filtering); the plain variant at start-up (capture), the others
-        # once a run needs them (prepare).
-        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
-        variants = {(lp, f) for lp in (False, True) for f in (False, True)}
+        # By (lanes, log-probabilities, filtering, masking); the plain variant at start-up (capture), the
+        # others once a run needs them (prepare).
+        self.graphs: dict[tuple[int, bool, bool, bool], torch.cuda.CUDAGraph] = {}
+        variants = {(lp, f, m) for lp in (False, True) for f in (False, True) for m in (False, True)}
         self.prepared = set() if runner.use_graphs else variants
         self.rows = 0
         self.count = 0  # launches since start()
@@ -222,16 +233,32 @@ class DecodeLanes:
             idx = d["rows"][:k].long()
             self.tables[idx] = d["tab"][:k].view(k, self.num_loops, -1)
 
+    def masks(self, idx: np.ndarray, rows: np.ndarray) -> None:
+        """Set the grammar bitmasks of lanes `idx` (numpy) to `rows` [len(idx), >= words] int32 (all ones:
+        no grammar) for the next launches."""
+        k = len(idx)
+        if not k:
+            return
+        a = self.mask_in.begin()
+        a["lanes"][:k] = idx
+        a["gm"][:k] = rows[:, : self.words]
+        self.mask_in.upload(self.mask_in.offset["gm"] + k * self.words)
+        d = self.mask_in.dev
+        self.gmask.index_copy_(0, d["lanes"][:k].long(), d["gm"][:k])
+
     # ---- the launch ----------------------------------------------------------------------
+
+    def variant(self) -> tuple[bool, bool, bool]:
+        return self.logprobs, self.filtering, self.masking
 
     def launch(self) -> int:
         """Run one loop for every lane (a captured graph on CUDA); returns the launch's index."""
-        rows, lp, filt = self.rows, self.logprobs, self.filtering
-        g = self.graphs.get((rows, lp, filt))
+        rows = self.rows
+        g = self.graphs.get((rows, *self.variant()))
         if g is not None:
             g.replay()
         else:
-            self._step(rows, lp, filt)
+            self._step(rows, *self.variant())
         return self._emit_records(rows)
 
     def launch_with_riders(self, riders: list, tables) -> int:
@@ -246,9 +273,11 @@ class DecodeLanes:
         logits = self._lm_head(r.x_last[: rows + k], exits)
         vocab = min(r.sampler.vocab_limit, logits.shape[1])
         chosen = logits
+        lane = torch.cat([self.lane_idx[:rows], rider_lanes.long()])
+        if self.masking:
+            chosen = self._mask(chosen, lane)
         if self.filtering:
-            lane = torch.cat([self.lane_idx[:rows], rider_lanes.long()])
-            chosen = self._filter(logits, temp, lane)
+            chosen = self._filter(chosen, temp, lane)
         ids = sample_gumbel(chosen, temp, seeds, GREEDY_EPS, vocab, row_gate=exits)
         if self.logprobs:
             vals, top = self._logprobs(logits, ids)
@@ -303,6 +332,13 @@ class DecodeLanes:
         top, top_ids = lp.topk(MAX_LOGPROBS, dim=-1)
         return torch.cat([chosen, rank, top], dim=1), top_ids
 
+    def _mask(self, logits: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+        """logits [rows, >= vocab] with the tokens each row's lane's grammar bitmask forbids at -inf (a copy).
+        Graph-capturable."""
+        out = logits.clone()
+        mask_tokens_(out, self.gmask, lane, min(self.runner.sampler.vocab_limit, logits.shape[1]))
+        return out
+
     def _filter(self, logits: torch.Tensor, temp: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
         """logits [rows, >= vocab] with what each row's lane's min_p, top_k and top_p drop at -inf, as the
         host sampler drops it (after temperature; greedy rows keep their argmax). Graph-capturable."""
@@ -314,34 +350,34 @@ class DecodeLanes:
         out[:, :vocab] = logits[:, :vocab].masked_fill(scaled == -math.inf, -math.inf)
         return out
 
-    def ready(self, lp: bool, filt: bool) -> bool:
+    def ready(self, lp: bool, filt: bool, gram: bool) -> bool:
         """The graphs of this variant are captured (or none are used)."""
-        return not (lp or filt) or (lp, filt) in self.prepared
+        return not (lp or filt or gram) or (lp, filt, gram) in self.prepared
 
-    def prepare(self, lp: bool, filt: bool) -> None:
+    def prepare(self, lp: bool, filt: bool, gram: bool) -> None:
         """Capture the graphs of a variant (once, on first need; only while no run is active: start()
         loads the lanes' state afterwards)."""
-        if not self.ready(lp, filt):
+        if not self.ready(lp, filt, gram):
             self.active.zero_()  # so that warm-up and capture write no K/V
             for b in self._lane_counts():
-                self._graph(b, lp, filt)
-            self.prepared.add((lp, filt))
+                self._graph(b, lp, filt, gram)
+            self.prepared.add((lp, filt, gram))
 
-    def _graph(self, rows: int, lp: bool = False, filt: bool = False) -> None:
-        if (rows, lp, filt) not in self.graphs:
+    def _graph(self, rows: int, lp: bool = False, filt: bool = False, gram: bool = False) -> None:
+        if (rows, lp, filt, gram) not in self.graphs:
             r = self.runner
             state = self._save()
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._step(rows, lp, filt)  # compiles the kernels outside the capture
+                self._step(rows, lp, filt, gram)  # compiles the kernels outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._restore(state)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=r.pool):
-                self._step(rows, lp, filt)
+                self._step(rows, lp, filt, gram)
             self._restore(state)
-            self.graphs[(rows, lp, filt)] = g
+            self.graphs[(rows, lp, filt, gram)] = g
 
     def _save(self):
         # Warm-up and capture run the step for real: keep the lane state as it was.
@@ -390,9 +426,10 @@ class DecodeLanes:
         rider_epilogue(self, self.runner, one, exits, ids, rows)
         self.ploop.fill_(-1)
 
-    def _step(self, rows: int, lp: bool = False, filt: bool = False) -> None:
-        """One loop for lanes [0, rows), with the samples' log-probabilities if lp and the lanes' top_k,
-        top_p and min_p if filt: graph-capturable (fixed shapes, no host reads)."""
+    def _step(self, rows: int, lp: bool = False, filt: bool = False, gram: bool = False) -> None:
+        """One loop for lanes [0, rows), with the samples' log-probabilities if lp, the lanes' top_k,
+        top_p and min_p if filt and their grammar bitmasks if gram: graph-capturable (fixed shapes, no host
+        reads)."""
         bs, kill = self.block_size, self.inputs.dev["kill"][:rows]
         embed = self.model.model.embed_tokens.weight
         h, tables, slot, q_start, run, seeds = lane_prologue(self, kill, embed, rows, bs)
@@ -404,7 +441,9 @@ class DecodeLanes:
         # Exiting lanes sample (the others get id -1, never read): greedy or Gumbel-max, Philox keyed by
         # (engine seed, launch, lane), so a launch's draws never depend on the host.
         vocab = min(self.runner.sampler.vocab_limit, logits.shape[1])
-        chosen = self._filter(logits, self.temp[:rows], self.lane_idx[:rows]) if filt else logits
+        lane = self.lane_idx[:rows]
+        chosen = self._mask(logits, lane) if gram else logits
+        chosen = self._filter(chosen, self.temp[:rows], lane) if filt else chosen
         ids = sample_gumbel(chosen, self.temp[:rows], seeds, GREEDY_EPS, vocab, row_gate=exits)
         if lp:
             vals, top = self._logprobs(logits, ids)

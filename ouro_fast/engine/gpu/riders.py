@@ -227,6 +227,9 @@ class Seating:
         self.lane_early[j] = lo < hi
         self.lane_lp[j] = req.params.logprobs is not None
         self.lane_filter[j] = filters(req.params)
+        self.lane_gram[j] = req.params.structured is not None
+        if self.lane_gram[j] or self.mask_set[j]:
+            self._mask_dirty.add(j)  # its bitmask (its first token's) goes with its first launch
         self.span[j] = self.launched, self.launched + self.lanes.num_loops - 1
         ids = np.asarray(req.prompt_ids[start:], np.int64)
         self.riders.append(

@@ -2,7 +2,8 @@
 
 When every scheduled row is a plain decode row (one generated token, no prefill,
 nothing waiting, sampling the device can do: greedy or temperature with top_k, top_p
-and min_p, unseeded, log-probabilities included), the engine
+and min_p, unseeded, log-probabilities included, a grammar too where the token cannot exit before
+its mask can be on the device), the engine
 hands the batch to the device's decode lanes (engine/lanes.py): each launch
 decides exits, samples and moves every lane to its next loop on the device. The
 host launches step k+1 first and only then reads step k's records, so the GPU
@@ -18,6 +19,11 @@ exits and ids, and the engine applies stop conditions as usual. Tokens are
 therefore identical to the host-driven path (tested). Before each launch the
 host gives every live lane the KV blocks its next tokens can reach and kills the
 lanes of requests that ended on the host (stop strings, aborts).
+
+Grammars (structured output): the host learns a token one launch behind, advances the request's matcher,
+and uploads the next token's bitmask with the next launch it makes, `depth` launches after the one that
+sampled the token. A lane with a grammar therefore rides only if its token cannot exit before its loop
+`depth` (0-based): at full depth it never waits.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ class RunAhead(Seating):
         self.lane_early = np.zeros(0, bool)  # lanes whose exit window allows an early exit
         self.lane_lp = np.zeros(runner.lanes.max_lanes, bool)  # lanes whose requests want log-probabilities
         self.lane_filter = np.zeros(runner.lanes.max_lanes, bool)  # lanes that sample with top_k/top_p/min_p
+        self.lane_gram = np.zeros(runner.lanes.max_lanes, bool)  # lanes whose requests follow a grammar
+        self.mask_set = np.zeros(runner.lanes.max_lanes, bool)  # lanes whose device bitmask is not all ones
+        self._mask_dirty: set[int] = set()  # lanes seated since the last launch: their bitmasks go with it
         self.full_depth = full_depth
         self.depth = depth
         if not 1 <= self.depth < RING:
@@ -101,21 +110,24 @@ class RunAhead(Seating):
 
     def _plain(self, rid: int, starting: bool = False) -> bool:
         # Sampling the device does alone: greedy or temperature with top_k/top_p/min_p, unseeded, few stop
-        # ids, no logits processors, no grammar. A shared prompt's prefix is not an engine request: it never
-        # rides. A newcomer that needs launches of a variant not captured yet (log-probabilities,
-        # filtering) waits for a run's start, which captures them.
+        # ids, no logits processors, a grammar only if no token can exit before its bitmask is uploaded. A
+        # shared prompt's prefix is not an engine request: it never rides. A newcomer that needs launches of
+        # a variant not captured yet (log-probabilities, filtering, masking) waits for a run's start, which
+        # captures them.
         req = self.requests.get(rid)
         if req is None:
             return False
         p = req.params
         processed = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or p.logit_bias
         processed = processed or p.min_tokens
-        variant = (self.lanes.logprobs or p.logprobs is not None, self.lanes.filtering or filters(p))
+        gram = p.structured is not None
+        lanes = self.lanes
+        variant = (lanes.logprobs or p.logprobs is not None, lanes.filtering or filters(p), lanes.masking or gram)
         return (
             p.seed is None
             and len(req.eos_ids) <= MAX_STOP_IDS
-            and (starting or self.lanes.ready(*variant))
-            and p.structured is None
+            and (starting or lanes.ready(*variant))
+            and (not gram or req.exit_window[0] >= self.depth)
             and not processed
         )
 
@@ -129,9 +141,10 @@ class RunAhead(Seating):
         sp = plan.sampling
         self.lane_rids = np.full(self.lanes.max_lanes, -1, np.int64)
         self.lane_rids[:r] = rids
-        self.lane_lp[:], self.lane_filter[:] = False, False
+        self.lane_lp[:], self.lane_filter[:], self.lane_gram[:] = False, False, False
         self.lane_lp[:r] = sp.logprobs[rids] >= 0
         self.lane_filter[:r] = [filters(self.requests[int(rid)].params) for rid in rids]
+        self.lane_gram[:r] = [self.requests[int(rid)].params.structured is not None for rid in rids]
         self.lanes.prepare(*self._variant())  # before the lanes' state loads
         if not self._reserve(in_flight=1):
             self.lane_rids = np.zeros(0, np.int64)
@@ -156,7 +169,9 @@ class RunAhead(Seating):
         slots = np.unique(plan.kv_slot).astype(np.int64)
         self.riders, self.span[:] = [], -1
         self.lanes.start(lanes, hsrc, slots, self.blocks.tables)
-        self.lanes.logprobs, self.lanes.filtering = self._variant()
+        self._mask_dirty = set(np.flatnonzero((self.lane_gram | self.mask_set)[:r]).tolist())
+        self._masks()
+        self.lanes.logprobs, self.lanes.filtering, self.lanes.masking = self._variant()
         self.lanes.launch()
         self.plan = plan
         self.active, self.launched, self.replayed, self.presched = True, 1, 0, 0
@@ -207,7 +222,8 @@ class RunAhead(Seating):
         self._new_slots = []
         tables = self.blocks.tables
         self.lanes.launch_inputs(kill, slots, tables, [rd.lane for rd in rows])
-        self.lanes.logprobs, self.lanes.filtering = self._variant()
+        self._masks()
+        self.lanes.logprobs, self.lanes.filtering, self.lanes.masking = self._variant()
         if rows:
             self.lanes.launch_with_riders(rows, tables)
         else:
@@ -217,10 +233,34 @@ class RunAhead(Seating):
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _variant(self) -> tuple[bool, bool]:
-        """Whether the launches must compute log-probabilities, and filter: some held lane asks."""
+    def _variant(self) -> tuple[bool, bool, bool]:
+        """Whether the launches must compute log-probabilities, filter, and mask: some held lane asks."""
         held = self.lane_rids >= 0
-        return bool((self.lane_lp & held).any()), bool((self.lane_filter & held).any())
+        n = len(held)
+        return tuple(bool((flags[:n] & held).any()) for flags in (self.lane_lp, self.lane_filter, self.lane_gram))
+
+    def _masks(self) -> None:
+        """Before a launch: upload the grammar bitmasks of the lanes whose requests accepted a token since
+        the last launch (none of them samples again before this launch: _plain) and of lanes seated since
+        (all ones for a lane without a grammar whose bitmask was not)."""
+        g = self.scheduler.sampling.grammars
+        dirty = self._mask_dirty
+        self._mask_dirty = set()
+        if g is not None and g.stale:
+            n = len(self.lane_rids)
+            dirty.update(j for j in (int(self.lane_of[rid]) for rid in g.stale) if 0 <= j < n and self.lane_gram[j])
+            g.fill_pending()
+        if not dirty:
+            return
+        idx = np.array(sorted(dirty), np.int64)
+        rows = np.full((len(idx), self.lanes.words), -1, np.int32)
+        for k, j in enumerate(idx):
+            if self.lane_gram[j]:
+                words = g.bitmask[int(self.lane_rids[j])].numpy()
+                w = min(len(words), rows.shape[1])
+                rows[k, :w] = words[:w]
+        self.lanes.masks(idx, rows)
+        self.mask_set[idx] = self.lane_gram[idx]
 
     def _live(self) -> np.ndarray:
         s = self.core
