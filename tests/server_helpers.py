@@ -49,7 +49,8 @@ class ServerProcess:
             argv = [*exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         else:
             # The console script beside the interpreter, else the module (wheels installed with --target).
-            sanic = [str(BIN / "sanic")] if (BIN / "sanic").exists() else [sys.executable, "-P", "-m", "sanic"]
+            script = BIN / "sanic"
+            sanic = [str(script)] if script.exists() else [sys.executable, "-P", "-m", "sanic"]
             argv = [
                 *sanic,
                 "ouro_fast.server:app",

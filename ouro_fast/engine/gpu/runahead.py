@@ -122,7 +122,8 @@ class RunAhead(Seating):
         processed = processed or p.min_tokens
         gram = p.structured is not None
         lanes = self.lanes
-        variant = (lanes.logprobs or p.logprobs is not None, lanes.filtering or filters(p), lanes.masking or gram)
+        lp, filt = lanes.logprobs or p.logprobs is not None, lanes.filtering or filters(p)
+        variant = (lp, filt, lanes.masking or gram)
         return (
             p.seed is None
             and len(req.eos_ids) <= MAX_STOP_IDS
@@ -237,7 +238,8 @@ class RunAhead(Seating):
         """Whether the launches must compute log-probabilities, filter, and mask: some held lane asks."""
         held = self.lane_rids >= 0
         n = len(held)
-        return tuple(bool((flags[:n] & held).any()) for flags in (self.lane_lp, self.lane_filter, self.lane_gram))
+        flags = (self.lane_lp, self.lane_filter, self.lane_gram)
+        return tuple(bool((f[:n] & held).any()) for f in flags)
 
     def _masks(self) -> None:
         """Before a launch: upload the grammar bitmasks of the lanes whose requests accepted a token since
@@ -248,7 +250,8 @@ class RunAhead(Seating):
         self._mask_dirty = set()
         if g is not None and g.stale:
             n = len(self.lane_rids)
-            dirty.update(j for j in (int(self.lane_of[rid]) for rid in g.stale) if 0 <= j < n and self.lane_gram[j])
+            lanes = (int(self.lane_of[rid]) for rid in g.stale)
+            dirty.update(j for j in lanes if 0 <= j < n and self.lane_gram[j])
             g.fill_pending()
         if not dirty:
             return
