@@ -5,7 +5,8 @@ Per decode step (one loop over every row): the layer weights once, each row's K/
 the matmul and attention arithmetic; a step takes at least max(bytes / bandwidth, FLOPs / matmul rate).
 A generated token takes `depth` such steps (4 at full depth, ~2.4 at exit_threshold 0.5) and one lm_head
 row; its prompt's prefill (every loop, every token) is arithmetic that the decode batch's weight stream
-can carry, so it adds FLOPs, not weight bytes. The GPUs' figures are measured ones (GPUS): the H200
+can carry, so it adds FLOPs, not weight bytes. A prompt's tokens found in the prefix cache add
+no FLOPs (the best case: a shared prefix computed once), but their K/V is read at every step. The GPUs' figures are measured ones (GPUS): the H200
 reads 4,221 GB/s and multiplies bf16 at 789 TFLOP/s; the H100 copies 3.0 TB/s (bytes read and written),
 taken as 2,950 GB/s read at the H200's ratio of read to copy, and multiplies at 798 TFLOP/s.
 
@@ -63,25 +64,27 @@ def step_floor(shape: Shape, rows: int, context: float, gpu: Gpu = H200) -> floa
 
 
 def token_floor(
-    shape: Shape, concurrency: int, prompt: int, output: int, depth: float, gpu: Gpu = H200
+    shape: Shape, concurrency: int, prompt: int, output: int, depth: float, gpu: Gpu = H200, cached: int = 0
 ) -> float:
-    """Seconds per round in which each of `concurrency` requests gains one token, at steady state."""
+    """Seconds per round in which each of `concurrency` requests gains one token, at steady state;
+    `cached` of the prompt's tokens come from the prefix cache."""
     context = prompt + output / 2  # the mean context over a request's output
     lm_head = max(shape.vocab * shape.hidden * shape.elem / gpu.hbm_bytes_per_s,
                   2 * concurrency * shape.vocab * shape.hidden / gpu.matmul_flops_per_s)  # fmt: skip
-    prefill = concurrency * 2 * prompt * shape.loops * shape.layer_params / output / gpu.matmul_flops_per_s
+    computed = prompt - cached
+    prefill = concurrency * 2 * computed * shape.loops * shape.layer_params / output / gpu.matmul_flops_per_s
     return depth * step_floor(shape, concurrency, context, gpu) + lm_head + prefill
 
 
 def floor_tok_s(
-    shape: Shape, concurrency: int, prompt: int, output: int, depth: float, gpu: Gpu = H200
+    shape: Shape, concurrency: int, prompt: int, output: int, depth: float, gpu: Gpu = H200, cached: int = 0
 ) -> float:
     """The most output tokens a second a workload can reach."""
-    return concurrency / token_floor(shape, concurrency, prompt, output, depth, gpu)
+    return concurrency / token_floor(shape, concurrency, prompt, output, depth, gpu, cached)
 
 
 def main() -> None:
-    from bench.matrix import WORKLOADS
+    from bench.matrix import ALL_WORKLOADS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--depth", type=float, default=4.0, help="mean loops a generated token runs")
@@ -91,10 +94,11 @@ def main() -> None:
     print(f"one loop's weights {shape.layer_params * shape.elem / 1e9:.2f} GB; depth {args.depth}")
     print("| workload | step floor | ms per token round | floor tok/s |")
     print("|---|---|---|---|")
-    for w in WORKLOADS:
-        step = step_floor(shape, w.concurrency, w.input_len + w.output_len / 2, gpu)
-        rnd = token_floor(shape, w.concurrency, w.input_len, w.output_len, args.depth, gpu)
-        tok_s = floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, args.depth, gpu)
+    for w in ALL_WORKLOADS:
+        prompt = w.prefix_len + w.input_len
+        step = step_floor(shape, w.concurrency, prompt + w.output_len / 2, gpu)
+        rnd = token_floor(shape, w.concurrency, prompt, w.output_len, args.depth, gpu, w.prefix_len)
+        tok_s = floor_tok_s(shape, w.concurrency, prompt, w.output_len, args.depth, gpu, w.prefix_len)
         print(f"| {w.name} | {step * 1e3:.3f} ms | {rnd * 1e3:.3f} | {tok_s:,.0f} |")
 
 

@@ -131,13 +131,10 @@ def report(a: argparse.Namespace) -> None:
             tput = r.get("output_throughput") or 0.0
             ratio = f"{tput / base:.2f}" if base else "-"
             depth = float(depths.get(label, shape.loops))
-            # No floor for shared prefixes: how much of the prompt a server computes is its cache's choice.
-            floor = (
-                None
-                if w.prefix_len
-                else floor_tok_s(shape, w.concurrency, w.input_len, w.output_len, depth, gpu)
-            )
-            of_floor = f"{tput / floor:.0%}" if floor else "-"
+            # A shared prefix's floor takes it as computed once: every prompt reads its K/V, none computes it.
+            prompt = w.prefix_len + w.input_len
+            floor = floor_tok_s(shape, w.concurrency, prompt, w.output_len, depth, gpu, cached=w.prefix_len)
+            of_floor = f"{tput / floor:.0%}"
             ttft, tpot, p99 = (r.get(k, 0) for k in ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
             lines.append(
                 f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {ttft:.1f} ms | {tpot:.2f} ms | "

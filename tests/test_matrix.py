@@ -21,6 +21,11 @@ def test_floor_model_matches_the_h200_arithmetic():
     assert token_floor(s, 1, 128, 64, 2.4) < 0.65 * token_floor(s, 1, 128, 64, 4.0)
     assert step_floor(s, 8, 3900) > 1.2 * step_floor(s, 8, 160)
     assert floor_tok_s(s, 128, 128, 64, 4.0) < 128 / (4 * step_floor(s, 1, 160))
+    # A cached prefix costs no prefill arithmetic, but every step still reads its K/V.
+    cold, warm = (token_floor(s, 32, 1152, 128, 4.0, cached=c) for c in (0, 1024))
+    assert warm < cold and warm > token_floor(s, 32, 128, 128, 4.0)
+    prefill = 32 * 2 * 1024 * 4 * s.layer_params / 128 / 789e12
+    assert cold - warm == pytest.approx(prefill)
 
 
 def fake_vllm(monkeypatch, calls):
