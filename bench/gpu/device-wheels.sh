@@ -3,7 +3,8 @@
 # beyond its image to serve ouro_fast and benchmark it, as cp312 wheels, plus install.sh to install them
 # there:
 #   - the server: Sanic, ujson and prometheus_client (pyproject.toml), with the dependencies pip resolves for
-#     Python 3.12, and jsonschema for the structured-output tests (xgrammar comes with the client's packages);
+#     Python 3.12, and jsonschema and jiter (the openai SDK's chat streaming) for the structured-output tests
+#     (xgrammar comes with the client's packages);
 #   - the vLLM 0.33.0 benchmark client: the packages of bench/client-requirements.txt that the image
 #     lacks (IMAGE below: the image holds torch, numpy, tokenizers, transformers, aiohttp, uvloop, ...),
 #     and vLLM's own wheel without its compiled kernels, as vllm-<version>-py.tgz (the client is pure
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/../.."
 DEST=${DEST:-.device-wheels}
 PY=${PYTHON:-python3}
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
-SERVER=(sanic==25.12.1 ujson==6.1.0 prometheus_client==0.26.0 jsonschema==4.25.1)
+SERVER=(sanic==25.12.1 ujson==6.1.0 prometheus_client==0.26.0 jsonschema==4.25.1 jiter==0.19.0)
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
   --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
