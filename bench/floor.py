@@ -5,10 +5,11 @@ Per decode step (one loop over every row): the layer weights once, each row's K/
 the matmul and attention arithmetic; a step takes at least max(bytes / bandwidth, FLOPs / matmul rate).
 A generated token takes `depth` such steps (4 at full depth, ~2.4 at exit_threshold 0.5) and one lm_head
 row; its prompt's prefill (every loop, every token) is arithmetic that the decode batch's weight stream
-can carry, so it adds FLOPs, not weight bytes. A prompt's tokens found in the prefix cache add
-no FLOPs (the best case: a shared prefix computed once), but their K/V is read at every step. The GPUs' figures are measured ones (GPUS): the H200
-reads 4,221 GB/s and multiplies bf16 at 789 TFLOP/s; the H100 copies 3.0 TB/s (bytes read and written),
-taken as 2,950 GB/s read at the H200's ratio of read to copy, and multiplies at 798 TFLOP/s.
+can carry, so it adds FLOPs, not weight bytes. A prompt's tokens found in the prefix cache add no
+FLOPs (the best case: a shared prefix computed once), but their K/V is read at every step. The GPUs'
+figures are measured ones (GPUS): the H200 reads 4,221 GB/s and multiplies bf16 at 789 TFLOP/s; the
+H100 copies 3.0 TB/s (bytes read and written), taken as 2,950 GB/s read at the H200's ratio of read to
+copy, and multiplies at 798 TFLOP/s.
 
     python -m bench.floor                                # the serving matrix's workloads, full depth
     python -m bench.floor --depth 2.4 --gpu h100         # with early exit's mean depth, on an H100

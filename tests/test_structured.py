@@ -314,3 +314,40 @@ def test_a_row_is_filled_once_after_each_accepted_token(engine):
     assert not torch.equal(first, second)
     grammars.remove(rid)
     assert rid not in grammars.stale and not grammars.any(np.array([rid]))
+
+
+def test_rows_due_together_are_filled_as_each_matcher_fills_its_own(engine):
+    """fill_pending fills several rows in one batched call: each row equals its matcher's own fill."""
+    import xgrammar
+
+    grammars = grammars_of(engine)
+    specs = [StructuredOutput("json", json.dumps(s)) for s in SCHEMAS[:3]]
+    specs += [StructuredOutput("regex", "[a-c]+x"), StructuredOutput("choice", json.dumps(["ab", "cd"]))]
+    rids = [11, 12, 13, 14, 15]
+    stops = engine.eos_ids | set(engine.tokenizer.end_of_turn_ids())
+    for rid, spec in zip(rids, specs):
+        grammars.add(rid, spec)
+    grammars.fill_pending()
+    for step in range(3):  # advance each by its likeliest allowed token, so the rows differ in state
+        for rid in rids:
+            if not grammars.matchers[rid].is_terminated():
+                row = grammars.bitmask[rid]
+                bits = range(32 * row.shape[0])
+                allowed = [t for t in bits if (int(row[t // 32]) >> (t % 32)) & 1 and t not in stops]
+                if allowed:  # else only a stop token may follow: the grammar is complete
+                    assert grammars.accept(rid, allowed[step % len(allowed)])
+        assert len(grammars.stale) > 1
+        grammars.fill_pending()
+        alone = xgrammar.allocate_token_bitmask(1, engine.model_config.vocab_size)
+        for rid in rids:
+            if not grammars.matchers[rid].is_terminated():
+                grammars.matchers[rid].fill_next_token_bitmask(alone, 0)
+                assert torch_equal(alone[0], grammars.bitmask[rid]), (step, rid)
+    for rid in rids:
+        grammars.remove(rid)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))

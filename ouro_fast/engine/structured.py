@@ -5,7 +5,8 @@ xgrammar compiles each distinct grammar once against the tokenizer's vocabulary 
 request that asks for one holds a matcher that advances with every token the request accepts. Its row of a
 token bitmask for the next token is filled on the host while the device runs the next step's loop (the
 runner calls `fill_pending` right after launching it), and at the latest when the row samples; with early
-exit the token may be sampled at any later loop. The sampler masks the logits of the rows that have a
+exit the token may be sampled at any later loop. Rows due together are filled in one call on xgrammar's
+threads (half the host's cores), outside the GIL. The sampler masks the logits of the rows that have a
 grammar on the logits' device; rows without one pay nothing.
 """
 
@@ -58,6 +59,7 @@ class Grammars:
         info = xgrammar.TokenizerInfo(encoded_vocab, byte_level, vocab_size=vocab_size, stop_token_ids=stops)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         self.compiled: dict[StructuredOutput, object] = {}
+        self.batch = xgrammar.BatchGrammarMatcher("auto")
         self.matchers: dict[int, object] = {}
         self.stale: set[int] = set()  # rids whose next-token row is not filled yet
         self.active = np.zeros(capacity, bool)
@@ -112,9 +114,13 @@ class Grammars:
 
     def fill_pending(self) -> None:
         """Fill the next-token rows of the requests that accepted a token since their last fill."""
-        for rid in self.stale:
+        if len(self.stale) == 1:
+            rid = self.stale.pop()
             self.matchers[rid].fill_next_token_bitmask(self.bitmask, rid)
-        self.stale.clear()
+        elif self.stale:
+            rids = sorted(self.stale)
+            self.batch.batch_fill_next_token_bitmask([self.matchers[r] for r in rids], self.bitmask, rids)
+            self.stale.clear()
 
     def any(self, rids: np.ndarray) -> bool:
         return bool(self.active[rids].any())
