@@ -177,6 +177,16 @@ def test_queue_timeout_ends_only_requests_never_scheduled(model_dir):
     assert reasons == ["length"]
 
 
+def test_request_times_split_queue_prefill_and_decode(model_dir):
+    # One row at a time: b waits in the queue while a runs, so b is scheduled only after a's last token.
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=1))
+    a, b = run(engine, PROMPTS[:2], greedy(1.0, 3))
+    for r in (a, b):
+        assert r.arrival <= r.scheduled_time <= r.first_token_time <= r.finished_time
+    assert b.scheduled_time >= a.first_token_time
+    assert b.scheduled_time - b.arrival > a.scheduled_time - a.arrival
+
+
 def test_seeded_sampling_is_reproducible_across_batches(model_dir):
     sp = SamplingParams(
         max_tokens=15, temperature=0.9, top_p=0.95, seed=1234, exit_threshold=0.5, ignore_eos=True

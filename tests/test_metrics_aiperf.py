@@ -175,7 +175,9 @@ FAMILIES = {
                     "counter"),
     **dict.fromkeys(("vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds",
                      "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
-                     "vllm:request_generation_tokens", "ouro_fast:token_exit_depth", "ouro_fast:step_rows"),
+                     "vllm:request_generation_tokens", "ouro_fast:token_exit_depth", "ouro_fast:step_rows",
+                     "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                     "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"),
                     "histogram"),
 }  # fmt: skip
 
@@ -218,6 +220,28 @@ def test_counters_move_when_a_request_completes():
     assert delta("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(0.025)
     assert delta("vllm:e2e_request_latency_seconds_bucket", le="0.1") == 0
     assert delta("vllm:e2e_request_latency_seconds_bucket", le="0.25") == 1
+
+
+def test_request_phases_split_the_engine_time_as_vllm_does():
+    m = busy_metrics()
+    before = parsed(m)
+    m.request_phases(10.0, 10.003, 10.05, 10.3)  # queued 3 ms, prefill 47 ms, decode 250 ms
+    m.request_phases(20.0, None, None, 20.1)  # aborted while waiting: no phase
+    m.request_phases(30.0, 30.5, None, 31.0)  # scheduled, ended before its first token
+    after = parsed(m)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted({"model_name": "m", **labels}.items())))
+        return after[key] - before[key]
+
+    assert delta("vllm:request_queue_time_seconds_count") == 2
+    assert delta("vllm:request_queue_time_seconds_sum") == pytest.approx(0.503)
+    assert delta("vllm:request_prefill_time_seconds_count") == 1
+    assert delta("vllm:request_prefill_time_seconds_bucket", le="0.04") == 0
+    assert delta("vllm:request_prefill_time_seconds_bucket", le="0.06") == 1
+    assert delta("vllm:request_decode_time_seconds_sum") == pytest.approx(0.25)
+    assert delta("vllm:request_inference_time_seconds_count") == 2
+    assert delta("vllm:request_inference_time_seconds_sum") == pytest.approx(0.297 + 0.5)
 
 
 def test_each_server_has_its_own_registry():

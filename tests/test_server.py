@@ -243,6 +243,8 @@ def test_metrics_page_as_prometheus_reads_it(server, sdk):
     assert delta("vllm:generation_tokens_total") == 5
     assert delta("vllm:time_to_first_token_seconds_count") == 1
     assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count") == 1, phase
     assert delta("ouro_fast:engine_steps_total") >= 5
 
 

@@ -66,7 +66,9 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)  # per prompt token from the second on, when asked for
     text: str = ""
     arrival: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # when the first step that ran its prompt began
     first_token_time: float | None = None
+    finished_time: float | None = None
     exit_window: tuple[int, int, float] = (0, 0, 0.0)  # 0-based loops it may exit at, log(1 - q)
 
 
@@ -454,6 +456,7 @@ class Engine:
     def _apply(self, plan: StepPlan, result: StepResult, host_s: float, model_s: float) -> None:
         """The scheduler takes a step's result; new tokens become outputs (stop conditions, text)."""
         t0 = time.perf_counter()
+        self._mark_scheduled(plan, time.monotonic() - host_s - model_s)
         failed = self.scheduler.sampling.processors.take_failed()  # rid -> why its sampling state failed
         for rid, entries in (result.prompt_logprobs or {}).items():
             sharers = self.prefixes.get(rid)
@@ -465,6 +468,13 @@ class Engine:
         t1 = time.perf_counter()
         self._outputs(events, plan, result, failed)
         self.stats.record(plan, events, self.scheduler, host_s + t1 - t0, model_s, time.perf_counter() - t1)
+
+    def _mark_scheduled(self, plan: StepPlan, began: float) -> None:
+        # A request is scheduled by the first step that runs its prompt (vLLM's queue/prefill split).
+        for rid in plan.rid[plan.decode == 0].tolist():
+            req = self.by_rid.get(rid)
+            if req is not None and req.scheduled_time is None:
+                req.scheduled_time = began
 
     def _outputs(self, events: TokenEvents, plan: StepPlan, result: StepResult, failed: dict[int, str]):
         """Queue each request's news of the step. A request whose own part fails (its sampling state,
@@ -547,6 +557,7 @@ class Engine:
         """The one way out for a request, whatever ends it: frees its KV and its sampling and detokenizer
         state, forgets it, and returns its final output. Once it has freed the KV it cannot raise: a
         failing flush or output makes the final an error."""
+        req.finished_time = time.monotonic()
         self._forget_rid(req.rid, detok=False)  # its text is flushed next
         if self.prefixes:
             self._forget_ended_prefixes()  # a prefix ends with the last request on it

@@ -381,6 +381,10 @@ class EngineClient:
             decode = None if handle.first_token_at is None else now - handle.first_token_at
             done = self.metrics.request_done
             done(out.finish_reason, out.prompt_tokens, out.completion_tokens, now - handle.arrival, decode)
+            req = out.request
+            if req is not None:
+                times = (req.arrival, req.scheduled_time, req.first_token_time, req.finished_time)
+                self.metrics.request_phases(*times)
         return n
 
     def _drop(self, handle: RequestHandle) -> None:

@@ -95,6 +95,16 @@ class ServerMetrics:
         self.e2e = self._histogram(
             "vllm:e2e_request_latency_seconds", "Time from arrival to the final output.", LATENCY_BUCKETS
         )
+        # The engine's phases of a finished request, as vLLM splits them.
+        self.queue_time, self.prefill_time, self.decode_time, self.inference_time = (
+            self._histogram(f"vllm:request_{name}_time_seconds", help, LATENCY_BUCKETS)
+            for name, help in (
+                ("queue", "Time from the engine's arrival to the first step that runs the prompt."),
+                ("prefill", "Time from that step to the first token."),
+                ("decode", "Time from the first token to the last."),
+                ("inference", "Time from the first step that runs the prompt to the last token."),
+            )
+        )
         self.request_prompt_tokens = self._histogram(
             "vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS
         )
@@ -118,6 +128,19 @@ class ServerMetrics:
         self.e2e.observe(e2e)
         if decode_seconds is not None and completion_tokens > 1:
             self.tpot.observe(decode_seconds / (completion_tokens - 1))
+
+    def request_phases(self, arrival: float, scheduled: float | None, first_token: float | None,
+                       finished: float | None) -> None:  # fmt: skip
+        """A finished request's engine times (one monotonic clock; None for a phase never reached)."""
+        if scheduled is None:
+            return
+        self.queue_time.observe(scheduled - arrival)
+        if first_token is not None:
+            self.prefill_time.observe(first_token - scheduled)
+            if finished is not None:
+                self.decode_time.observe(finished - first_token)
+        if finished is not None:
+            self.inference_time.observe(finished - scheduled)
 
     def output_batch(self, generated_tokens: int) -> None:
         """One hand-off of outputs from the owner, routed; generated_tokens is what its outputs carried."""
