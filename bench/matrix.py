@@ -2,9 +2,10 @@
 
 `run` drives one OpenAI-compatible server (ouro_fast, or vLLM serving the same shape) through every
 workload with vLLM's own `vllm bench serve` code (imported once, called per workload: the client's
-start-up is paid once), and saves each result JSON. `report` reads the runs of several servers and writes
-the summary table: output tokens/s, TTFT and TPOT, the ratio to the vLLM run measured on the same machine,
-and each result as a fraction of its floor (bench/floor.py).
+start-up is paid once), and saves each result JSON, with the server's mean queue and prefill time over the
+workload where its /metrics has vLLM's request phase histograms (both servers do). `report` reads the runs
+of several servers and writes the summary table: output tokens/s, TTFT and TPOT, the ratio to the vLLM run
+measured on the same machine, each result as a fraction of its floor (bench/floor.py), and where TTFT went.
 
     # in the client's environment (vLLM 0.33.0 importable), against a running server:
     python -m bench.matrix run --base-url http://127.0.0.1:8000 --model M --tokenizer DIR --label ouro-full \\
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +77,37 @@ def client_args(w: Workload, a: argparse.Namespace, out: Path, warmup: bool = Fa
     return args
 
 
+PHASES = ("queue", "prefill")  # vLLM's request phases that TTFT is made of, besides the front end
+
+
+def phase_totals(base_url: str) -> dict[str, float]:
+    """{"queue_sum": s, "queue_count": n, ...} of the server's phase histograms ({} without them)."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        for phase in PHASES:
+            for part in ("sum", "count"):
+                name = f"vllm:request_{phase}_time_seconds_{part}"
+                if line.startswith((name + "{", name + " ")):  # summed over label sets (vLLM's engines)
+                    key = f"{phase}_{part}"
+                    totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def phase_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds of each phase between two phase_totals() scrapes (only phases both have)."""
+    means = {}
+    for phase in PHASES:
+        n = after.get(f"{phase}_count", 0.0) - before.get(f"{phase}_count", 0.0)
+        if n > 0 and f"{phase}_sum" in before:
+            means[f"mean_{phase}_ms"] = 1e3 * (after[f"{phase}_sum"] - before[f"{phase}_sum"]) / n
+    return means
+
+
 def run(a: argparse.Namespace) -> None:
     # vLLM's own client code, unmodified: its argument parser and main(), called once per workload.
     from vllm.benchmarks import serve
@@ -91,11 +124,14 @@ def run(a: argparse.Namespace) -> None:
         if (w.input_len, w.prefix_len) not in warmed:
             serve.main(parser.parse_args(client_args(w, a, out, warmup=True)))
             warmed.add((w.input_len, w.prefix_len))
-        t = time.perf_counter()
+        t, before = time.perf_counter(), phase_totals(a.base_url)
         result = serve.main(parser.parse_args(client_args(w, a, out)))
+        phases = phase_means(before, phase_totals(a.base_url))
+        if phases:
+            (out / f"{a.label}.{w.name}.phases.json").write_text(json.dumps(phases))
         row = {k: result.get(k) for k in KEYS}
         print(json.dumps({"label": a.label, "workload": w.name, "seconds": round(time.perf_counter() - t, 1),
-                          **row}), flush=True)  # fmt: skip
+                          **row, **phases}), flush=True)  # fmt: skip
 
 
 def _load(folder: Path) -> dict[tuple[str, str], dict]:
@@ -104,6 +140,9 @@ def _load(folder: Path) -> dict[tuple[str, str], dict]:
         label, _, name = f.stem.partition(".")
         if name in {w.name for w in ALL_WORKLOADS}:
             runs[(label, name)] = json.loads(f.read_text())
+            phases = f.with_name(f"{f.stem}.phases.json")
+            if phases.exists():
+                runs[(label, name)].update(json.loads(phases.read_text()))
     return runs
 
 
@@ -119,8 +158,9 @@ def report(a: argparse.Namespace) -> None:
         f"Machine: {a.machine}. Client: vllm bench serve, random dataset, seed 0, --ignore-eos; ratios "
         f"are to `{a.baseline}` measured in the same run. Floor: bench/floor.py at each label's mean depth.",
         "",
-        "| workload | server | out tok/s | ratio | TTFT p50 | TPOT p50 | TPOT p99 | of floor | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | server | out tok/s | ratio | TTFT p50 | queue / prefill mean | TPOT p50 | TPOT p99 "
+        "| of floor | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in ALL_WORKLOADS:
         base = runs.get((a.baseline, w.name), {}).get("output_throughput")
@@ -135,9 +175,14 @@ def report(a: argparse.Namespace) -> None:
             prompt = w.prefix_len + w.input_len
             floor = floor_tok_s(shape, w.concurrency, prompt, w.output_len, depth, gpu, cached=w.prefix_len)
             of_floor = f"{tput / floor:.0%}"
+            split = (
+                f"{r['mean_queue_ms']:.1f} / {r['mean_prefill_ms']:.1f} ms"
+                if "mean_queue_ms" in r and "mean_prefill_ms" in r
+                else "-"
+            )
             ttft, tpot, p99 = (r.get(k, 0) for k in ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
             lines.append(
-                f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {ttft:.1f} ms | {tpot:.2f} ms | "
+                f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {ttft:.1f} ms | {split} | {tpot:.2f} ms | "
                 f"{p99:.2f} ms | {of_floor} | {r.get('failed', '-')} |"
             )
     text = "\n".join(lines) + "\n"

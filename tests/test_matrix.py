@@ -91,7 +91,9 @@ def test_prefix_workloads_share_a_prefix_and_warm_up_apart(monkeypatch, tmp_path
     monkeypatch.setattr(sys, "argv", ["matrix", "report", str(tmp_path), "--baseline", "ouro-full"])
     matrix.main()
     row = next(r for r in (tmp_path / "summary.md").read_text().splitlines() if r.startswith("| c8-p1024"))
-    assert "| 900 | 1.00 |" in row and "| - |" in row  # no floor for a cached prefix
+    # The floor takes the shared prefix as computed once; its K/V is still read at every step.
+    floor = floor_tok_s(Shape(), 8, 1152, 128, 4.0, cached=1024)
+    assert "| 900 | 1.00 |" in row and f"| {900 / floor:.0%} |" in row
 
 
 def test_report_takes_ratios_against_the_baseline_and_fractions_of_the_floor(tmp_path, monkeypatch):
@@ -108,14 +110,57 @@ def test_report_takes_ratios_against_the_baseline_and_fractions_of_the_floor(tmp
             )  # fmt: skip
         )
     (tmp_path / "notes.json").write_text("{}")  # not a run: ignored
+    phases = '{"mean_queue_ms": 1.25, "mean_prefill_ms": 9.5}'
+    (tmp_path / "ouro-full.c8-128-64.phases.json").write_text(phases)
     monkeypatch.setattr(sys, "argv", ["matrix", "report", str(tmp_path)])
     matrix.main()
     rows = [r for r in (tmp_path / "summary.md").read_text().splitlines() if r.startswith("| c8-128-64")]
     assert len(rows) == 2
     ouro = next(r for r in rows if "ouro-full" in r)
-    assert "| 1,500 | 1.50 |" in ouro
+    assert "| 1,500 | 1.50 | 20.0 ms | 1.2 / 9.5 ms |" in ouro
+    assert "| 20.0 ms | - |" in next(r for r in rows if "vllm-full" in r)
     floor = floor_tok_s(Shape(), 8, 128, 64, 4.0)
     assert f"{1500 / floor:.0%}" in ouro
+
+
+def test_phase_means_come_from_the_metrics_pages_before_and_after(monkeypatch):
+    pages = iter([
+        'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 1.0\n'
+        'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 10.0\n'
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 2.0\n'
+        'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 10.0\n',
+        'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 1.5\n'
+        'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 20.0\n'
+        'vllm:request_queue_time_seconds_bucket{engine="0",le="0.1",model_name="m"} 20.0\n'
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 2.25\n'
+        'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 20.0\n',
+    ])  # fmt: skip
+
+    class Page:
+        def __init__(self, text):
+            self.text = text
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return self.text.encode()
+
+    monkeypatch.setattr(matrix.urllib.request, "urlopen", lambda url, timeout: Page(next(pages)))
+    before, after = matrix.phase_totals("http://h:1"), matrix.phase_totals("http://h:1/")
+    assert before == {"queue_sum": 1.0, "queue_count": 10.0, "prefill_sum": 2.0, "prefill_count": 10.0}
+    means = matrix.phase_means(before, after)
+    assert means == pytest.approx({"mean_queue_ms": 50.0, "mean_prefill_ms": 25.0})
+    assert matrix.phase_means({}, after) == {}  # a server without the histograms before: nothing
+
+    def refuse(url, timeout):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(matrix.urllib.request, "urlopen", refuse)
+    assert matrix.phase_totals("http://h:1") == {}
 
 
 def test_vllm_model_dir_has_ouros_shape_and_our_tokenizer(tmp_path):
