@@ -174,8 +174,8 @@ DIE_SEED, STALL_SEED = 4242, 4343  # seeds the owner fault hook watches
 STALL_LIMIT_S = 1.0
 
 
-@pytest.mark.parametrize("fault", ["die", "stall"])
-def test_owner_death_or_stall_fails_requests_and_exits_1(fault):
+@pytest.mark.parametrize("fault, mode", [("die", "cli"), ("stall", "cli"), ("die", "sanic")])
+def test_owner_death_or_stall_fails_requests_and_exits_1(fault, mode):
     """The owner's loop raises outside the engine step (die), or one step makes no progress past the
     stall limit (stall): within a second /health and new requests answer 503, the stream in flight
     gets an error event and a cut connection, the non-streamed request a 500, and the process exits 1."""
@@ -183,7 +183,9 @@ def test_owner_death_or_stall_fails_requests_and_exits_1(fault):
         "OURO_FAST_TEST_OWNER_FAULTS": f"die@{DIE_SEED},stall@{STALL_SEED}",
         "OURO_FAST_NUM_KV_BLOCKS": "1024",
     }
-    srv = ServerProcess("cli", env, ("--stall-limit", str(STALL_LIMIT_S)))
+    args = ("--stall-limit", str(STALL_LIMIT_S)) if mode == "cli" else ()
+    env = env if mode == "cli" else {**env, "OURO_FAST_STALL_LIMIT": str(STALL_LIMIT_S)}
+    srv = ServerProcess(mode, env, args)
     try:
         srv.wait_ready()
         url = srv.url + "/v1/completions"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -92,8 +93,28 @@ async def start_engine(app: Sanic) -> None:
             "TEST-ONLY owner faults are on (OURO_FAST_TEST_OWNER_FAULTS=%s)", config.test_owner_faults
         )
     app.ctx.config = config
-    app.ctx.client = EngineClient(config, asyncio.get_running_loop(), on_failure=lambda: app.stop())
+    app.ctx.client = EngineClient(config, asyncio.get_running_loop(), on_failure=lambda: _stop_failed(app))
     app.ctx.client.start(float(os.environ.get(_LAUNCH_ENV) or time.time()))
+
+
+@app.main_process_start
+async def share_failure_flag(app: Sanic) -> None:
+    # Set by the worker when the engine fails: `sanic ouro_fast.server:app` then exits 1, as ouro-fast serve.
+    app.shared_ctx.engine_failed = multiprocessing.Value("b", 0)
+
+
+def _stop_failed(app: Sanic) -> None:
+    flag = getattr(app.shared_ctx, "engine_failed", None)
+    if flag is not None:
+        flag.value = 1
+    app.stop()
+
+
+@app.main_process_stop
+async def exit_1_after_a_failure(app: Sanic) -> None:
+    flag = getattr(app.shared_ctx, "engine_failed", None)
+    if flag is not None and flag.value:
+        raise SystemExit(1)
 
 
 def bound_connections(app: Sanic, config: ServerConfig) -> None:
