@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]  # on sys.path (appended) by conftest.py
 
 from bench import benchlib, engine_bench, summarize  # noqa: E402
-from bench.micro import block_table, detok, ring, scheduler  # noqa: E402
+from bench.micro import block_table, detok, grammar, ring, scheduler  # noqa: E402
 
 
 def positive(stats: dict) -> bool:
@@ -40,6 +40,7 @@ def results(tmp_path_factory) -> Path:
     block_table.main(["--quick", "--out", str(out)])
     detok.main(["--quick", "--out", str(out)])
     ring.main(["--quick", "--out", str(out)])
+    grammar.main(["--quick", "--out", str(out)])
     engine_bench.main(["--quick", "--out", str(out), "--ckpt-dir", str(out / "ckpt")])
     return out
 
@@ -107,6 +108,15 @@ def test_ring_bench_moves_every_record(results):
         r = res[kind]
         assert positive(r["push_pop_us"]) and positive(r["ping_pong_us"])
         assert r["two_threads"]["records"] > 0 and r["two_threads"]["records_per_s"] > 0
+
+
+def test_grammar_bench_times_each_fill_mode_on_the_same_rows(results):
+    rows = load(results, "grammar")
+    modes = ("single", "batched", "async")
+    assert {(r["rows"], r["mode"]) for r in rows} == {(n, m) for n in (1, 8) for m in modes}
+    for r in rows:
+        assert positive(r["accept_us_per_token"])
+        assert positive(r["owner_us_per_token"] if r["mode"] == "async" else r["fill_us_per_token"])
 
 
 def test_engine_bench_counts_every_token(results):

@@ -488,3 +488,44 @@ def test_grammar_masks_are_applied_in_the_lanes_at_full_depth(model_dir):
     reqs = [("e", PROMPTS[0], params(rx, threshold=0.5, min_loops=1))]
     assert tokens(run(eng, reqs)) == tokens(run(engine(model_dir, run_ahead=False), reqs))
     assert eng.ahead.runs == 0
+
+
+def test_a_grammar_fill_is_waited_for_only_at_the_launch_where_its_token_may_sample(model_dir, monkeypatch):
+    # The worker fills bitmasks while the owner launches on. Here a fill ends only once the owner waits for
+    # it: launches still go out while it is in flight, and each bitmask reaches the device before its lane
+    # samples (the host path's tokens).
+    import json
+    import threading
+
+    from ouro_fast.engine.gpu.runahead import RunAhead
+    from ouro_fast.engine.structured import Grammars, StructuredOutput
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    js = StructuredOutput("json", json.dumps(schema))
+    params = SamplingParams(max_tokens=12, temperature=0, structured=js)
+    reqs = [(f"j{i}", p, params) for i, p in enumerate(PROMPTS)]
+    host = run(engine(model_dir, run_ahead=False), reqs)
+    fill, wait, masks = Grammars._fill_rows, Grammars.wait_fill, RunAhead._masks
+    waited, went_on = threading.Event(), []
+
+    def held_fill(self, matchers, rids):
+        assert waited.wait(60)
+        waited.clear()
+        fill(self, matchers, rids)
+
+    def wait_fill(self):
+        if self._fill is not None:
+            waited.set()
+        wait(self)
+
+    def spied_masks(self):
+        masks(self)
+        went_on.append(not self.scheduler.sampling.grammars.fill_done())  # launched with a fill in flight
+
+    monkeypatch.setattr(Grammars, "_fill_rows", held_fill)
+    monkeypatch.setattr(Grammars, "wait_fill", wait_fill)
+    monkeypatch.setattr(RunAhead, "_masks", spied_masks)
+    eng = engine(model_dir)
+    done = run(eng, reqs)
+    assert tokens(done) == tokens(host) and eng.ahead.runs == 1
+    assert sum(went_on) >= 3

@@ -351,3 +351,20 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_a_failed_bitmask_fill_ends_its_step_s_requests_with_an_error(engine, monkeypatch):
+    """The worker's error reaches the engine-owner thread when it waits for the fill: the step fails, its
+    requests end with finish reason "error" and free their KV, and the engine serves the next request."""
+    want = StructuredOutput("regex", "[a-c]{4}")
+
+    def broken(self, matchers, rids):
+        raise RuntimeError("fill failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(Grammars, "_fill_rows", broken)
+        done = run(engine, {"bad": ([7, 8], SamplingParams(max_tokens=8, temperature=0, structured=want))})
+    assert done["bad"][1] == "error" and engine.stats.failed_steps >= 1
+    assert "fill failed" in engine.stats.last_failure
+    done = run(engine, {"good": ([7, 8], SamplingParams(max_tokens=8, temperature=0, structured=want))})
+    assert done["good"][1] == "stop" and re.fullmatch("[a-c]{4}", done["good"][0])

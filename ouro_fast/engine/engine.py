@@ -467,6 +467,8 @@ class Engine:
         self._forget_ended_prefixes()  # computed: their requests hold their blocks
         t1 = time.perf_counter()
         self._outputs(events, plan, result, failed)
+        if self.scheduler.sampling.grammars is not None:
+            self.scheduler.sampling.grammars.start_fill()  # the next tokens' bitmasks, while the host goes on
         self.stats.record(plan, events, self.scheduler, host_s + t1 - t0, model_s, time.perf_counter() - t1)
 
     def _mark_scheduled(self, plan: StepPlan, began: float) -> None:

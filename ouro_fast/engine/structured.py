@@ -3,17 +3,19 @@ which tokens a request may sample next.
 
 xgrammar compiles each distinct grammar once against the tokenizer's vocabulary (cached by its spec). Each
 request that asks for one holds a matcher that advances with every token the request accepts. Its row of a
-token bitmask for the next token is filled on the host while the device runs the next step's loop (the
-runner calls `fill_pending` right after launching it), and at the latest when the row samples; with early
-exit the token may be sampled at any later loop. Rows due together are filled in one call on xgrammar's
-threads (half the host's cores), outside the GIL. The sampler masks the logits of the rows that have a
-grammar on the logits' device; rows without one pay nothing.
+token bitmask for the next token is filled by a worker thread while the device runs the next loops: the
+engine starts the fill (`start_fill`) right after a step and waits for it (`wait_fill`) only where a row may
+sample next; with early exit the token may be sampled at any later loop. Rows due together are filled in
+one call on xgrammar's threads (half the host's cores), outside the GIL, so the engine-owner thread and the
+server's event loop go on meanwhile. The sampler masks the logits of the rows that have a grammar on the
+logits' device; rows without one pay nothing.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +64,9 @@ class Grammars:
         self.batch = xgrammar.BatchGrammarMatcher("auto")
         self.matchers: dict[int, object] = {}
         self.stale: set[int] = set()  # rids whose next-token row is not filled yet
+        self.filling: frozenset[int] = frozenset()  # rids whose rows the worker is filling now
+        self._fill: Future | None = None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ouro-grammar")
         self.active = np.zeros(capacity, bool)
         self.device = torch.device(device)
         pin = self.device.type == "cuda"
@@ -108,19 +113,50 @@ class Grammars:
         self.stale.add(rid)
 
     def remove(self, rid: int) -> None:
+        if rid in self.filling:
+            self.wait_fill()  # the worker writes its row: a new request in rid must not be overwritten
         self.matchers.pop(rid, None)
         self.stale.discard(rid)
         self.active[rid] = False
 
+    def start_fill(self) -> None:
+        """Start filling, on the worker thread, the next-token rows of the requests that accepted a token
+        since their last fill (after the fill in flight, if any, ends)."""
+        if not self.stale:
+            return
+        self.wait_fill()
+        matchers, rids = self._take_stale()
+        self.filling = frozenset(rids)
+        self._fill = self._worker.submit(self._fill_rows, matchers, rids)
+
+    def _take_stale(self) -> tuple[list, list[int]]:
+        rids = sorted(self.stale)
+        self.stale.clear()
+        return [self.matchers[r] for r in rids], rids
+
+    def _fill_rows(self, matchers: list, rids: list[int]) -> None:
+        if len(rids) == 1:
+            matchers[0].fill_next_token_bitmask(self.bitmask, rids[0])
+        else:
+            self.batch.batch_fill_next_token_bitmask(matchers, self.bitmask, rids)
+
+    def fill_done(self) -> bool:
+        """No fill is in flight, or the one in flight has ended (wait_fill then returns at once)."""
+        return self._fill is None or self._fill.done()
+
+    def wait_fill(self) -> None:
+        """Wait for the fill in flight; its rows are then final. Re-raises the worker's error."""
+        fill, self._fill = self._fill, None
+        self.filling = frozenset()
+        if fill is not None:
+            fill.result()
+
     def fill_pending(self) -> None:
-        """Fill the next-token rows of the requests that accepted a token since their last fill."""
-        if len(self.stale) == 1:
-            rid = self.stale.pop()
-            self.matchers[rid].fill_next_token_bitmask(self.bitmask, rid)
-        elif self.stale:
-            rids = sorted(self.stale)
-            self.batch.batch_fill_next_token_bitmask([self.matchers[r] for r in rids], self.bitmask, rids)
-            self.stale.clear()
+        """Fill every row not filled yet, and wait until they are (the rows not started yet on this thread:
+        handing them to the worker only to wait would cost more)."""
+        self.wait_fill()
+        if self.stale:
+            self._fill_rows(*self._take_stale())
 
     def any(self, rids: np.ndarray) -> bool:
         return bool(self.active[rids].any())
@@ -141,6 +177,8 @@ class Grammars:
     def accept(self, rid: int, token: int) -> bool:
         """Advance rid's matcher by its sampled token (its next row is filled later); False if the grammar
         rejects the token."""
+        if rid in self.filling:
+            self.wait_fill()  # a matcher is not advanced while the worker reads it
         matcher = self.matchers[rid]
         if not matcher.accept_token(token):
             return False

@@ -20,10 +20,12 @@ therefore identical to the host-driven path (tested). Before each launch the
 host gives every live lane the KV blocks its next tokens can reach and kills the
 lanes of requests that ended on the host (stop strings, aborts).
 
-Grammars (structured output): the host learns a token one launch behind, advances the request's matcher,
-and uploads the next token's bitmask with the next launch it makes, `depth` launches after the one that
-sampled the token. A lane with a grammar therefore rides only if its token cannot exit before its loop
-`depth` (0-based): at full depth it never waits.
+Grammars (structured output): the host learns a token one launch behind and advances the request's
+matcher; a worker thread fills the next token's bitmask meanwhile. The host uploads it with the first
+launch after the fill ends, and waits for the fill only before the launch where the lane's next token may
+sample first (loop `lo` of the next token: `lo + 1` launches after the one that sampled). That is `depth`
+launches away at the soonest, so a lane with a grammar rides only if its token cannot exit before its loop
+`depth` (0-based): at full depth the host has three launches to fill it.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class RunAhead(Seating):
         self.lane_gram = np.zeros(runner.lanes.max_lanes, bool)  # lanes whose requests follow a grammar
         self.mask_set = np.zeros(runner.lanes.max_lanes, bool)  # lanes whose device bitmask is not all ones
         self._mask_dirty: set[int] = set()  # lanes seated since the last launch: their bitmasks go with it
+        self._mask_due: dict[int, int] = {}  # lane -> the launch its next bitmask, being filled, must reach
         self.full_depth = full_depth
         self.depth = depth
         if not 1 <= self.depth < RING:
@@ -242,28 +245,46 @@ class RunAhead(Seating):
         return tuple(bool((f[:n] & held).any()) for f in flags)
 
     def _masks(self) -> None:
-        """Before a launch: upload the grammar bitmasks of the lanes whose requests accepted a token since
-        the last launch (none of them samples again before this launch: _plain) and of lanes seated since
-        (all ones for a lane without a grammar whose bitmask was not)."""
+        """Before a launch: upload the grammar bitmasks that are filled, waiting for the fill only where a
+        lane may sample in this launch, and those of lanes seated since the last launch (all ones for a lane
+        without a grammar whose bitmask was not). No lane samples between its token's replay and its due
+        launch (_plain), so a bitmask may reach the device anywhere in between."""
         g = self.scheduler.sampling.grammars
         dirty = self._mask_dirty
         self._mask_dirty = set()
-        if g is not None and g.stale:
-            n = len(self.lane_rids)
-            lanes = (int(self.lane_of[rid]) for rid in g.stale)
-            dirty.update(j for j in lanes if 0 <= j < n and self.lane_gram[j])
-            g.fill_pending()
+        if g is not None:
+            g.start_fill()  # first rows of requests added since
+            due = self._mask_due
+            seated = any(self.lane_gram[j] for j in dirty)  # their first rows may still be filling
+            if due and (seated or g.fill_done() or min(due.values()) <= self.launched):
+                g.wait_fill()
+                dirty.update(due)
+                due.clear()
+            elif seated:
+                g.wait_fill()
         if not dirty:
             return
         idx = np.array(sorted(dirty), np.int64)
         rows = np.full((len(idx), self.lanes.words), -1, np.int32)
-        for k, j in enumerate(idx):
-            if self.lane_gram[j]:
-                words = g.bitmask[int(self.lane_rids[j])].numpy()
-                w = min(len(words), rows.shape[1])
-                rows[k, :w] = words[:w]
+        gram = self.lane_gram[idx]
+        if gram.any():
+            words = g.bitmask.numpy()[self.lane_rids[idx[gram]]]
+            w = min(words.shape[1], rows.shape[1])
+            rows[gram, :w] = words[:, :w]
         self.lanes.masks(idx, rows)
-        self.mask_set[idx] = self.lane_gram[idx]
+        self.mask_set[idx] = gram
+
+    def _expect_masks(self, launch: int) -> None:
+        """After replaying `launch`: the lanes whose requests accepted a token there get their next bitmask
+        by the launch where that token's successor may sample first."""
+        g = self.scheduler.sampling.grammars
+        if g is None:
+            return
+        n = len(self.lane_rids)
+        for rid in g.filling | g.stale:
+            j = int(self.lane_of[rid])
+            if 0 <= j < n and self.lane_gram[j] and j not in self._mask_due:
+                self._mask_due[j] = launch + 1 + self.requests[int(rid)].exit_window[0]
 
     def _live(self) -> np.ndarray:
         s = self.core
@@ -318,6 +339,7 @@ class RunAhead(Seating):
         self.exit_launches += bool(exited.any())
         logprobs = self._logprobs(plan, launch, lanes, exited)
         apply(plan, StepResult(exited, sampled, None, logprobs), t1 - t0, t2 - t1)
+        self._expect_masks(launch)
 
     def _logprobs(self, plan: StepPlan, launch: int, lanes: np.ndarray, exited: np.ndarray):
         """rid -> TokenLogprobs of the replayed launch's samples whose requests want them (None: none)."""
@@ -383,5 +405,6 @@ class RunAhead(Seating):
             if self.requests.get(rid) is req:
                 self.core.hold(rid, False)
         self.release, self._new_slots = {}, []
+        self._mask_due = {}
         self.plan = None
         self.active = False

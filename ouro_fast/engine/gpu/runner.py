@@ -283,7 +283,7 @@ class GpuRunner:
         self._fill(plan, shape[0], shape[1])
         self.run_shape(shape)
         if plan.sampling.grammars is not None:
-            plan.sampling.grammars.fill_pending()  # the grammar masks, while the device runs the loop
+            plan.sampling.grammars.start_fill()  # the grammar masks, while the device runs the loop
         vocab, loops = self.sampler.vocab_limit, self.cfg.total_ut_steps
         if not plan.may_exit():
             # No row may exit at this loop: nothing to read back, so do not wait for the device.
