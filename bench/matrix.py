@@ -61,8 +61,8 @@ def client_args(w: Workload, a: argparse.Namespace, out: Path, warmup: bool = Fa
     args = [
         "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", a.base_url, "--model", a.model,
         "--tokenizer", a.tokenizer, "--dataset-name", "random", "--random-input-len", str(w.input_len),
-        "--random-output-len", str(w.output_len), "--ignore-eos", "--temperature", "0", "--seed", "0",
-        "--request-rate", "inf", "--max-concurrency", str(w.concurrency),
+        "--random-output-len", str(w.output_len), "--ignore-eos", "--temperature", "0",
+        "--seed", str(seed(w, a, warmup)), "--request-rate", "inf", "--max-concurrency", str(w.concurrency),
         "--num-prompts", str(min(w.prompts, 2 * w.concurrency) if warmup else w.prompts),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
     ]  # fmt: skip
@@ -75,6 +75,12 @@ def client_args(w: Workload, a: argparse.Namespace, out: Path, warmup: bool = Fa
     if not warmup:
         args += ["--save-result", "--result-dir", str(out), "--result-filename", f"{a.label}.{w.name}.json"]
     return args
+
+
+def seed(w: Workload, a: argparse.Namespace, warmup: bool) -> int:
+    """Each workload's own random prompts, and other ones for its warm-up: no measured prompt is cached by
+    an earlier run (except a prefix workload's shared prefix, after its first requests)."""
+    return a.seed + ALL_WORKLOADS.index(w) + (len(ALL_WORKLOADS) if warmup else 0)
 
 
 PHASES = ("queue", "prefill")  # vLLM's request phases that TTFT is made of, besides the front end
@@ -207,6 +213,7 @@ def main() -> None:
         "--workloads", nargs="*", help="workload names (default: the matrix, without the prefix ones)"
     )
     r.add_argument("--trust-remote-code", action="store_true")
+    r.add_argument("--seed", type=int, default=0, help="the first workload's prompt seed (each has its own)")
     r.add_argument("--out", default=f"bench/results/matrix-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     r.set_defaults(func=run)
     s = sub.add_parser("report", help="the summary table of a results folder")
