@@ -73,7 +73,8 @@ def measure(model_dir: str, prompts: list[list[int]], max_tokens: int, threshold
     params = SamplingParams(max_tokens=max_tokens, temperature=0, exit_threshold=threshold, ignore_eos=True)
     eng = Engine(EngineConfig(model=model_dir, max_num_seqs=max(len(prompts), 1), **engine))
     longest = max(len(p) for p in prompts) + max_tokens
-    ref = DenseReference(fp32_weights(model_dir), eng.model_config, longest, eng.vocab_limit)
+    device = engine.get("device", "cpu")  # the reference runs beside the engine, in fp32
+    ref = DenseReference(fp32_weights(model_dir), eng.model_config, longest, eng.vocab_limit, device)
     one_row = agreement(ref, prompts, generate(eng, prompts, params, together=False), threshold)
     batched = agreement(ref, prompts, generate(eng, prompts, params, together=True), threshold)
     ok = all(batched[k] >= one_row[k] - TOLERANCE for k in ("top1_agreement", "exit_agreement"))

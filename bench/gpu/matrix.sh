@@ -40,9 +40,10 @@ features() {  # $1 url, $2 server name: full depth with logprobs, with a JSON sc
   local url=$1 name=$2
   shift 2
   if [ "$name" = ouro ]; then
+    # Prompts of their own (--seed): the plain runs' prompts would be prefix-cache hits.
     client --base-url "$url" --model ouro --label "ouro-logprobs$SUFFIX" --workloads c8-128-64 \
-      --extra-body '{"logprobs": 5}' "$@"
-    client --base-url "$url" --model ouro --label "ouro-json$SUFFIX" --workloads c8-128-64 c32-128-64 \
+      --extra-body '{"logprobs": 5}' --seed 100 "$@"
+    client --base-url "$url" --model ouro --label "ouro-json$SUFFIX" --workloads c8-128-64 c32-128-64 --seed 200 \
       --extra-body "{\"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"a\", \"schema\": $SCHEMA}}}" "$@"
   fi
   client --base-url "$url" --model ouro --label "$name-full$SUFFIX${LABEL:-}" \

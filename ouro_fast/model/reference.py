@@ -31,8 +31,10 @@ class DenseReference:
         cfg: OuroConfig,
         max_len: int = 512,
         vocab_limit: int | None = None,
+        device: str | torch.device = "cpu",
     ):
-        self.w = {k: v.detach().float().cpu() for k, v in weights.items()}
+        self.device = torch.device(device)  # fp32 throughout; a GPU only makes it faster
+        self.w = {k: v.detach().to(self.device, torch.float32) for k, v in weights.items()}
         self.cfg = cfg
         self.vocab_limit = vocab_limit  # ids at or above it are never produced (tokenizer smaller than vocab)
         self.max_len = max_len
@@ -41,8 +43,8 @@ class DenseReference:
     def reset(self) -> None:
         c = self.cfg
         shape = (c.total_ut_steps, c.num_hidden_layers, self.max_len, c.num_key_value_heads, c.head_dim)
-        self.k = torch.zeros(shape)
-        self.v = torch.zeros(shape)
+        self.k = torch.zeros(shape, device=self.device)
+        self.v = torch.zeros(shape, device=self.device)
 
     def _rms(self, x, name):
         return self.w[name] * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + self.cfg.rms_norm_eps))
@@ -50,7 +52,7 @@ class DenseReference:
     def _rope(self, x, positions):
         d = x.shape[-1]
         half = d // 2
-        i = torch.arange(half, dtype=torch.float64)
+        i = torch.arange(half, dtype=torch.float64, device=x.device)
         angle = positions.double()[:, None] * self.cfg.rope_theta ** (-2.0 * i / d)
         cos, sin = angle.cos().float()[:, None, :], angle.sin().float()[:, None, :]
         x1, x2 = x[..., :half], x[..., half:]
@@ -62,8 +64,8 @@ class DenseReference:
         keys = self.k[loop, layer, :end].repeat_interleave(group, dim=1)
         vals = self.v[loop, layer, :end].repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,shd->hns", q, keys) / math.sqrt(c.head_dim)
-        q_pos = torch.arange(start, start + q.shape[0])[:, None]
-        scores = scores.masked_fill(torch.arange(end)[None, :] > q_pos, float("-inf"))
+        q_pos = torch.arange(start, start + q.shape[0], device=q.device)[:, None]
+        scores = scores.masked_fill(torch.arange(end, device=q.device)[None, :] > q_pos, float("-inf"))
         return torch.einsum("hns,shd->nhd", scores.softmax(-1), vals)
 
     def _loop(self, h, start, loop):
@@ -71,7 +73,7 @@ class DenseReference:
         c, w = self.cfg, self.w
         n = h.shape[0]
         end = start + n
-        positions = torch.arange(start, end)
+        positions = torch.arange(start, end, device=h.device)
         for layer in range(c.num_hidden_layers):
             p = f"model.layers.{layer}."
             x = self._rms(h, p + "input_layernorm.weight")
@@ -99,7 +101,7 @@ class DenseReference:
 
     def prefill(self, ids: list[int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Run tokens at positions start.. through ALL loops; returns logits [T, n, V] and gates [T, n]."""
-        h = self.w["model.embed_tokens.weight"][torch.tensor(ids)]
+        h = self.w["model.embed_tokens.weight"][torch.tensor(ids, device=self.device)]
         logits, gates = [], []
         for loop in range(self.cfg.total_ut_steps):
             h = self._loop(h, start, loop)
@@ -130,7 +132,7 @@ class DenseReference:
         self._emit(out, logits[e, -1], e)
         pos = len(prompt)
         while len(out.tokens) < max_new_tokens:
-            h = self.w["model.embed_tokens.weight"][torch.tensor([out.tokens[-1]])]
+            h = self.w["model.embed_tokens.weight"][torch.tensor([out.tokens[-1]], device=self.device)]
             seen: list[float] = []
             for loop in range(c.total_ut_steps):
                 h = self._loop(h, pos, loop)
