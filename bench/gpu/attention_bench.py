@@ -1,0 +1,93 @@
+"""Decode attention of one layer on the GPU, by rows, context and KV splits: the fused kernel the lanes run.
+
+Every row has the same context; its blocks are scattered over the cache as the engine's are. Each case is
+captured as a CUDA graph of 24 calls (a loop's layers) and replayed; the figure is microseconds a call and
+the K/V bandwidth it reaches. `default` marks the split count decode_config picks for the shape (block
+tables as wide as --max-model-len).
+
+    python3 -P bench/gpu/attention_bench.py [--rows 16 32 128] [--contexts 160 1152] [--splits 1 2 4 8]
+Prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ouro_fast.kernels import fused_decode_attention, rope_cos_sin_table
+from ouro_fast.kernels.split_kv_attention import decode_config
+
+HQ, HKV, D, PAGE, LAYERS = 16, 16, 128, 16, 24  # Ouro-1.4B's attention; the engine's block size
+
+
+def case(rows: int, context: int, max_model_len: int, dtype=torch.bfloat16, dev: str = "cuda") -> dict:
+    """Inputs of one decode step: row r's token at position context - 1, its K/V slot written."""
+    need = -(-context // PAGE)
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(rows * need, generator=g)
+    tables = torch.full((rows, max_model_len // PAGE), -1, dtype=torch.int32)
+    tables[:, :need] = perm.view(rows, need).int()
+    pos = context - 1
+    slots = tables[:, pos // PAGE].long() * PAGE + pos % PAGE
+    qkv = torch.randn(rows, (HQ + 2 * HKV) * D, generator=g).to(dev, dtype)
+    q, k, v = qkv.split((HQ * D, HKV * D, HKV * D), dim=1)
+    cache = rows * need * PAGE
+    return dict(
+        q=q.view(rows, HQ, D), k=k.view(rows, HKV, D), v=v.view(rows, HKV, D),
+        k_cache=torch.randn(cache, HKV, D, generator=g).to(dev, dtype),
+        v_cache=torch.randn(cache, HKV, D, generator=g).to(dev, dtype),
+        slot_mapping=slots.to(dev), positions=torch.full((rows,), pos, dtype=torch.int64, device=dev),
+        cos_sin=rope_cos_sin_table(max_model_len, D, 10000.0, dev), block_tables=tables.to(dev),
+        row_q_start=torch.full((rows,), pos, dtype=torch.int32, device=dev),
+        row_len=torch.ones(rows, dtype=torch.int32, device=dev),
+        row_tok_off=torch.arange(rows, dtype=torch.int32, device=dev),
+    )  # fmt: skip
+
+
+def time_us(inputs: dict, splits: int, replays: int) -> float:
+    out = torch.empty_like(inputs["q"])
+    cfg = {"NUM_SPLITS": splits}
+
+    def layer_calls():
+        for _ in range(LAYERS):
+            fused_decode_attention(**inputs, block_size=PAGE, out=out, config=cfg)
+
+    layer_calls()  # compiles, allocates the counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer_calls()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / (replays * LAYERS)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[160, 1152])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--max-model-len", type=int, default=65536)
+    ap.add_argument("--replays", type=int, default=50)
+    a = ap.parse_args(argv)
+    for rows in a.rows:
+        for context in a.contexts:
+            inputs = case(rows, context, a.max_model_len)
+            default = decode_config(rows, HKV, HQ // HKV, D, a.max_model_len)["NUM_SPLITS"]
+            kv_bytes = 2 * rows * context * HKV * D * 2
+            for splits in a.splits:
+                us = time_us(inputs, splits, a.replays)
+                row = {"rows": rows, "context": context, "splits": splits, "default": splits == default}
+                tb_s = round(kv_bytes / us / 1e6, 2)
+                print(json.dumps({**row, "us": round(us, 2), "kv_tb_s": tb_s}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
