@@ -148,10 +148,14 @@ def test_decode_reads_cache_through_layer_strides():
 
 
 def test_decode_config_depends_only_on_shapes():
-    # Ouro decode: 8 to 16 splits of 16-wide tiles on two warps (measured on the H200).
+    # Ouro decode: 8 to 16 splits of 16-wide tiles on two warps up to 16 rows (measured on the H200), then
+    # tuning.SPLIT_KV_WIDE's by rows x KV heads (measured on an H100).
     assert decode_config(1, 16, 1, 128, 4096) == {"NUM_SPLITS": 16, "BLOCK_N": 16, "num_warps": 2}
     assert decode_config(8, 16, 1, 128, 4096)["NUM_SPLITS"] == 8
-    assert decode_config(64, 16, 1, 128, 4096)["NUM_SPLITS"] == 8
+    assert decode_config(16, 16, 1, 128, 4096)["NUM_SPLITS"] == 8
+    rows = (17, 32, 33, 64, 128, 256, 512)
+    wide = {r: decode_config(r, 16, 1, 128, 4096)["NUM_SPLITS"] for r in rows}
+    assert wide == {17: 2, 32: 2, 33: 1, 64: 1, 128: 4, 256: 2, 512: 2}
     # Never more splits than BLOCK_N tiles of the longest context.
     assert decode_config(1, 16, 1, 128, 32)["NUM_SPLITS"] == 2
     q, kc, vc, meta = decode_case([3], 4, 2, 2, 16, torch.float32)

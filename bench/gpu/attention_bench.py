@@ -2,8 +2,8 @@
 
 Every row has the same context; its blocks are scattered over the cache as the engine's are. Each case is
 captured as a CUDA graph of 24 calls (a loop's layers) and replayed; the figure is microseconds a call and
-the K/V bandwidth it reaches. `default` marks the split count decode_config picks for the shape (block
-tables as wide as --max-model-len).
+the K/V bandwidth it reaches. `default` marks the configuration decode_config picks for the shape (block
+tables as wide as --max-model-len); --block-n and --warps try other key tiles and warps a program.
 
     python3 -P bench/gpu/attention_bench.py [--rows 16 32 128] [--contexts 160 1152] [--splits 1 2 4 8]
 Prints one JSON line per case.
@@ -12,6 +12,7 @@ Prints one JSON line per case.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -46,9 +47,8 @@ def case(rows: int, context: int, max_model_len: int, dtype=torch.bfloat16, dev:
     )  # fmt: skip
 
 
-def time_us(inputs: dict, splits: int, replays: int) -> float:
+def time_us(inputs: dict, cfg: dict, replays: int) -> float:
     out = torch.empty_like(inputs["q"])
-    cfg = {"NUM_SPLITS": splits}
 
     def layer_calls():
         for _ in range(LAYERS):
@@ -74,17 +74,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[160, 1152])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[0], help="key tile (0: decode_config's)")
+    ap.add_argument("--warps", type=int, nargs="+", default=[0], help="warps a program (0: decode_config's)")
     ap.add_argument("--max-model-len", type=int, default=65536)
     ap.add_argument("--replays", type=int, default=50)
     a = ap.parse_args(argv)
     for rows in a.rows:
         for context in a.contexts:
             inputs = case(rows, context, a.max_model_len)
-            default = decode_config(rows, HKV, HQ // HKV, D, a.max_model_len)["NUM_SPLITS"]
+            default = decode_config(rows, HKV, HQ // HKV, D, a.max_model_len)
             kv_bytes = 2 * rows * context * HKV * D * 2
-            for splits in a.splits:
-                us = time_us(inputs, splits, a.replays)
-                row = {"rows": rows, "context": context, "splits": splits, "default": splits == default}
+            for splits, block_n, warps in itertools.product(a.splits, a.block_n, a.warps):
+                cfg = {"NUM_SPLITS": splits, "BLOCK_N": block_n or default["BLOCK_N"],
+                       "num_warps": warps or default["num_warps"]}  # fmt: skip
+                us = time_us(inputs, cfg, a.replays)
+                row = {"rows": rows, "context": context, **cfg, "default": cfg == default}
                 tb_s = round(kv_bytes / us / 1e6, 2)
                 print(json.dumps({**row, "us": round(us, 2), "kv_tb_s": tb_s}), flush=True)
 

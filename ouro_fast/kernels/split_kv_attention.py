@@ -32,6 +32,8 @@ from .tuning import (
     SPLIT_KV_MIN_SPLITS,
     SPLIT_KV_PROGRAMS,
     SPLIT_KV_WARPS,
+    SPLIT_KV_WIDE,
+    SPLIT_KV_WIDE_FROM,
 )
 
 
@@ -284,12 +286,16 @@ def decode_config(rows: int, kv_heads: int, group: int, head_dim: int, max_conte
     """NUM_SPLITS, BLOCK_N and num_warps of a launch: a pure function of fixed shapes, never of contexts.
 
     Splits aim at about tuning.SPLIT_KV_PROGRAMS programs from rows x KV heads x splits, clamped
-    to tuning's range, and never exceed the BLOCK_N tiles of the longest possible context.
+    to tuning's range; past the row counts that range was measured at, tuning.SPLIT_KV_WIDE's. They never
+    exceed the BLOCK_N tiles of the longest possible context.
     """
     block_n = SPLIT_KV_BLOCK_N
-    want = next_pow2(triton.cdiv(SPLIT_KV_PROGRAMS, max(1, rows * kv_heads)))
-    clamped = max(SPLIT_KV_MIN_SPLITS, min(SPLIT_KV_MAX_SPLITS, want))
-    num_splits = max(1, min(clamped, next_pow2(triton.cdiv(max_context, block_n))))
+    row_heads = max(1, rows * kv_heads)
+    want = next_pow2(triton.cdiv(SPLIT_KV_PROGRAMS, row_heads))
+    splits = max(SPLIT_KV_MIN_SPLITS, min(SPLIT_KV_MAX_SPLITS, want))
+    if row_heads > SPLIT_KV_WIDE_FROM:
+        splits = next(s for limit, s in SPLIT_KV_WIDE if limit is None or row_heads <= limit)
+    num_splits = max(1, min(splits, next_pow2(triton.cdiv(max_context, block_n))))
     return {"NUM_SPLITS": num_splits, "BLOCK_N": block_n, "num_warps": SPLIT_KV_WARPS}
 
 

@@ -109,6 +109,12 @@ SPLIT_KV_WARPS = 2
 SPLIT_KV_MIN_SPLITS, SPLIT_KV_MAX_SPLITS = 8, 16
 # Splits aim at about this many programs over rows x KV heads x splits.
 SPLIT_KV_PROGRAMS = 1024
+# Beyond SPLIT_KV_WIDE_FROM rows x KV heads (16 rows of Ouro), splits by rows x KV heads instead: (at
+# most, splits), the last for any more. Within 5% of the best split count at every shape measured on an
+# H100 (bench/gpu/attention_bench.py: 32 / 64 / 128 / 256 rows of 16 heads, contexts 160 and 1,152), where
+# 8 splits cost 1-19% more than the best; 16-key tiles on two warps stayed best there too.
+SPLIT_KV_WIDE_FROM = 256
+SPLIT_KV_WIDE = ((512, 2), (1024, 1), (2048, 4), (None, 2))
 # The merge kernel: one warp up to this many partial values a head (splits x head_dim), else four.
 SPLIT_KV_MERGE_ONE_WARP = 2048
 # Splits at most under the CPU interpreter without a config: most of 8-16 slices of a test's short context
