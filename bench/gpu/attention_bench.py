@@ -14,11 +14,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import torch
 
 from ouro_fast.kernels import fused_decode_attention, rope_cos_sin_table
 from ouro_fast.kernels.split_kv_attention import decode_config
+
+sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
+from replay_timing import capture, replay_ms  # noqa: E402
 
 HQ, HKV, D, PAGE, LAYERS = 16, 16, 128, 16, 24  # Ouro-1.4B's attention; the engine's block size
 
@@ -54,19 +59,7 @@ def time_us(inputs: dict, cfg: dict, replays: int) -> float:
         for _ in range(LAYERS):
             fused_decode_attention(**inputs, block_size=PAGE, out=out, config=cfg)
 
-    layer_calls()  # compiles, allocates the counters
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer_calls()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (replays * LAYERS)
+    return 1000 * replay_ms(capture(layer_calls), replays, warmup=1) / LAYERS
 
 
 def main(argv: list[str] | None = None) -> None:
