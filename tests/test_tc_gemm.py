@@ -17,7 +17,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
 from ouro_fast.kernels import tc_gemm  # noqa: E402
-from ouro_fast.kernels.tuning import TC_PACE_BESIDE, TC_SMEM_BUDGET, TC_WHOLE_GROUP_SMEM  # noqa: E402
+from ouro_fast.kernels.tuning import (  # noqa: E402
+    TC_MAX_ROWS,
+    TC_PACE_BESIDE,
+    TC_SILU_MUL_MAX_ROWS,
+    TC_SMEM_BUDGET,
+    TC_TOKEN_TILES,
+    TC_WHOLE_GROUP_SMEM,
+)
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU")
@@ -64,8 +71,35 @@ def test_launch_plan_gives_gate_up_a_cta_per_row_group():
     assert tc_gemm.launch_plan(11264, 2048, 256, 64, 1, partial=False)[0] == 64  # over twice the SMs
 
 
+def test_token_tile_is_the_smallest_that_holds_the_rows():
+    assert [tc_gemm.token_tile(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+    assert TC_TOKEN_TILES[-1] == TC_MAX_ROWS and TC_SILU_MUL_MAX_ROWS <= TC_MAX_ROWS
+    with pytest.raises(StopIteration):
+        tc_gemm.token_tile(TC_MAX_ROWS + 1)
+
+
+def test_gate_up_takes_whole_groups_two_an_sm_at_every_token_tile():
+    # Each CTA's ring (two slots at least), with the SwiGLU buffer, fits half an SM's shared memory.
+    assert tc_gemm.launch_plan(11264, 2048, 256, 132, 1, False) == (176, TC_WHOLE_GROUP_SMEM)
+    for ntok in TC_TOKEN_TILES:
+        nbuf = tc_gemm.ring_slots(256, ntok, False, 4, TC_WHOLE_GROUP_SMEM, swiglu=True)
+        used = 1024 + 64 * ntok * 2 + nbuf * (64 * 256 + ntok * 256) * 2
+        assert nbuf >= 2 and used <= TC_WHOLE_GROUP_SMEM and 2 * used <= 228 * 1024
+
+
+def test_a_grown_workspace_keeps_the_one_captured_graphs_point_at():
+    ws = tc_gemm._Workspace()
+    dev = torch.device("cpu")
+    part, cnt = ws.get(dev, 1 << 21, 1024)
+    assert ws.get(dev, 1 << 20, 100) == (part, cnt)  # big enough: the same buffers
+    bigger, _ = ws.get(dev, (1 << 21) + 1, 1024)
+    assert bigger.numel() > part.numel() and any(t is part for t in ws.outgrown)
+    assert any(t is cnt for t in ws.outgrown)
+
+
 def test_ring_fits_the_budget_and_keeps_two_slots():
-    for tc, ntok, silu in [(256, 8, False), (256, 16, True), (128, 16, False)]:
+    cases = [(256, 8, False), (256, 16, True), (128, 16, False), (256, 32, False)]
+    for tc, ntok, silu in cases:
         nbuf = tc_gemm.ring_slots(tc, ntok, silu, most=8, budget=225 * 1024)
         nx = 2 if silu else 1
         used = nbuf * (64 * tc + nx * ntok * tc) * 2 + (ntok * tc * 2 if silu else 0)
@@ -125,7 +159,11 @@ def test_not_supported_off_hopper_or_for_odd_shapes():
     else:
         cuda = {"device": "cuda", "dtype": torch.bfloat16}
         assert tc_gemm.supported(torch.zeros(1, 2048, **cuda), torch.zeros(2048, 2048, **cuda))
-        assert not tc_gemm.supported(torch.zeros(17, 2048, **cuda), torch.zeros(2048, 2048, **cuda))
+        w = torch.zeros(2048, 2048, **cuda)
+        assert tc_gemm.supported(torch.zeros(TC_MAX_ROWS, 2048, **cuda), w)
+        assert not tc_gemm.supported(torch.zeros(TC_MAX_ROWS + 1, 2048, **cuda), w)
+        rows = TC_SILU_MUL_MAX_ROWS + 1  # down's SiLU prologue holds its chunks in registers: fewer rows
+        assert not tc_gemm.supported(torch.zeros(rows, 4096, **cuda), torch.zeros(2048, 2048, **cuda), True)
         assert not tc_gemm.supported(torch.zeros(1, 2000, **cuda), torch.zeros(2048, 2000, **cuda))
         assert not tc_gemm.supported(
             torch.zeros(1, 2048, device="cuda"), torch.zeros(2048, 2048, device="cuda")
@@ -134,7 +172,7 @@ def test_not_supported_off_hopper_or_for_odd_shapes():
 
 @needs_hopper
 @pytest.mark.parametrize("n, k", [(11264, 2048), (1536, 512)])  # Ouro-1.4B's gate_up; groups split over CTAs
-@pytest.mark.parametrize("m", [1, 5, 8, 16])
+@pytest.mark.parametrize("m", [1, 5, 8, 16, 17, 24, 32])
 def test_swiglu_out_is_silu_and_mul_of_the_product_bit_for_bit(n, k, m):
     gen = torch.Generator(device="cuda").manual_seed(n + m)
     w = (0.02 * torch.randn(n, k, device="cuda", generator=gen)).to(torch.bfloat16)
@@ -145,7 +183,8 @@ def test_swiglu_out_is_silu_and_mul_of_the_product_bit_for_bit(n, k, m):
     want = (F.silu(gu[:, :f].float()).to(gu.dtype).float() * gu[:, f:].float()).to(gu.dtype)
     got = tc_gemm.tc_linear(x, w, swiglu_out=True)
     assert got.shape == (m, f) and torch.equal(got, want)
-    assert torch.equal(tc_gemm.tc_linear(x[:1].contiguous(), w, swiglu_out=True), got[:1])
+    first = next(t for t in (1, 9, 17) if tc_gemm.token_tile(t) == tc_gemm.token_tile(m))
+    assert torch.equal(tc_gemm.tc_linear(x[:first].contiguous(), w, swiglu_out=True), got[:first])
 
 
 @needs_hopper
@@ -174,7 +213,7 @@ def test_mlp_partial_is_the_silu_mul_path_bit_for_bit():
     gen = torch.Generator(device="cuda").manual_seed(7)
     rnd = lambda *s: (0.02 * torch.randn(*s, device="cuda", generator=gen)).to(torch.bfloat16)  # noqa: E731
     mlp = SimpleNamespace(gate_up_weight=rnd(11264, 2048), down_proj=SimpleNamespace(weight=rnd(2048, 5632)))
-    for m in (1, 8):
+    for m in (1, 8, 16):
         x = torch.randn(m, 2048, device="cuda", generator=gen).to(torch.bfloat16)
         fused = triton_loop.mlp_partial(x, mlp)
         gate_up = triton_loop.linear(x, mlp.gate_up_weight)
@@ -191,11 +230,13 @@ def reference(x, w, silu_mul):
 
 @needs_hopper
 @pytest.mark.parametrize("n, k", SHAPES)
-@pytest.mark.parametrize("m", [1, 5, 8, 16])
+@pytest.mark.parametrize("m", [1, 5, 8, 16, 17, 24, 32])
 @pytest.mark.parametrize("partial", [False, True])
 def test_matches_linear_bit_stable_and_row_independent(n, k, m, partial):
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
-    silu = k == 5632  # down: its input is the fused gate/up output
+    silu = k == 5632 and m <= TC_SILU_MUL_MAX_ROWS  # down: its input is the fused gate/up output
+    assert tc_gemm.supported(torch.zeros(m, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16),
+                             torch.zeros(n, k, device="cuda", dtype=torch.bfloat16), silu)  # fmt: skip
     w = (0.02 * torch.randn(n, k, device="cuda", generator=gen)).to(torch.bfloat16)
     x = torch.randn(m, 2 * k if silu else k, device="cuda", generator=gen).to(torch.bfloat16)
 
@@ -212,7 +253,9 @@ def test_matches_linear_bit_stable_and_row_independent(n, k, m, partial):
     # fp32 accumulation in another order, plus one bf16 rounding of the output (none for partials).
     assert float((got - want).abs().max()) <= 0.01 * float(want.abs().max())
     assert torch.equal(run(x), got)  # no atomics: the same bits every call
-    assert torch.equal(run(x[:1].contiguous()), got[:1])  # a row's result does not depend on the others
+    # Within a token tile a row's result does not depend on the others (fewest rows of m's tile).
+    first = next(t for t in (1, 9, 17) if tc_gemm.token_tile(t) == tc_gemm.token_tile(m))
+    assert torch.equal(run(x[:first].contiguous()), got[:first])
 
 
 @needs_hopper

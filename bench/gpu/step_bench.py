@@ -10,6 +10,8 @@ step (engine/gpu/riders.py), and the loop's cuBLAS matmuls alone at T rows.
 `--attn-config SPLITS:BLOCK_N[:WARPS] ...` times the loop again with the decode attention's split count,
 tile width (and warps) forced (decode_config patched, in this process only). `--host-replay` adds each
 graph's host time a replay() call takes, the GPU idle and busy (replay_timing.host_replay_us).
+`--tc-max-rows N ...` times every row count again with the tensor-core matmul taking at most N rows
+(tc_gemm.TC_MAX_ROWS patched, in this process only; cuBLAS above).
 To compare two builds, run each in its own process and alternate them so that machine drift shows:
 
     python3 -P bench/gpu/step_bench.py --rows 1 2 8 --replays 300 --tag a
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ouro_fast.kernels import split_kv_attention as decode_attention
+from ouro_fast.kernels import tc_gemm
 from ouro_fast.model.checkpoints import PRESETS
 from ouro_fast.model.ouro import OuroForCausalLM
 from ouro_fast.model.quantization import Fp8Weight
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N[:WARPS] settings to time")
     ap.add_argument("--host-replay", action="store_true", help="also the host time of graph.replay()")
     ap.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the layers' weights")
+    ap.add_argument("--tc-max-rows", type=int, nargs="*", default=[], help="tensor-core row limits to time")
     args = ap.parse_args()
     model = build(args.preset)
     model.quantize(None if args.quantization == "none" else args.quantization)
@@ -116,10 +120,13 @@ def main() -> None:
     )  # fmt: skip
     out = {"tag": args.tag, "quantization": args.quantization, "context": args.context,
            "floor_ms_4.8TBs": round(weights / 4.8e9, 4)}  # fmt: skip
-    default = decode_attention.decode_config
-    for setting in [""] + args.attn_config:
+    default, tc_default = decode_attention.decode_config, tc_gemm.TC_MAX_ROWS
+    settings = [("", None)] + [(s, None) for s in args.attn_config] + [("", n) for n in args.tc_max_rows]
+    for setting, tc_rows in settings:
         decode_attention.decode_config = default if not setting else _forced(default, setting)
+        tc_gemm.TC_MAX_ROWS = tc_default if tc_rows is None else tc_rows
         suffix = f"_attn_{setting.replace(':', 'x')}" if setting else ""
+        suffix += "" if tc_rows is None else f"_tc{tc_rows}"
         for rows in args.rows:
             slots = rows * max_blocks * page
             shape = (2, cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim)
@@ -131,10 +138,10 @@ def main() -> None:
                 step = lambda h=h, attn=attn: run_loop_fused(model, h, attn)  # noqa: E731
                 graph = capture(step)
                 out[f"rows_{rows}{suffix}_ms"] = round(replay_ms(graph, args.replays, warmup=1), 4)
-                if args.host_replay and not setting:
+                if args.host_replay and not suffix:
                     out[f"rows_{rows}_host_replay_us"] = host_replay_us(graph)
             del cache, attn
-    decode_attention.decode_config = default
+    decode_attention.decode_config, tc_gemm.TC_MAX_ROWS = default, tc_default
     for tokens in args.prefill_tokens:
         out.update(prefill_ms(model, args, tokens, page, max_blocks))
     print(json.dumps(out), flush=True)

@@ -1,4 +1,4 @@
-"""Tensor-core skinny matmul for decode on Hopper (Gluon): out = x @ w.T for up to 16 rows of x.
+"""Tensor-core skinny matmul for decode on Hopper (Gluon): out = x @ w.T for up to 32 rows of x.
 
 Why a second skinny matmul: the Triton one (skinny_gemm.py) streams weights at ~3.2 TB/s and each launch
 drains the weight stream at its end. Here:
@@ -47,8 +47,10 @@ from .tuning import (
     TC_MAXNREG,
     TC_PREFETCH_TILES,
     TC_RING_SLOTS,
+    TC_SILU_MUL_MAX_ROWS,
     TC_SMEM_BUDGET,
     TC_TILE_COLS,
+    TC_TOKEN_TILES,
     TC_WHOLE_GROUP_SMEM,
 )
 
@@ -106,6 +108,11 @@ def grid_ctas(n: int, k: int, tc: int, sms: int, per_sm: int) -> int:
     return min(sms * per_sm, (n // TR) * (k // tc))
 
 
+def token_tile(m: int) -> int:
+    """The smallest token tile (the wgmma's N) that holds m rows."""
+    return next(t for t in TC_TOKEN_TILES if m <= t)
+
+
 def launch_plan(n: int, k: int, tc: int, sms: int, per_sm: int, partial: bool) -> tuple[int, int]:
     """(CTAs, shared-memory budget a CTA): a range of tiles each, or, where the row groups outnumber the
     CTAs but not twice the SMs and no partial output is asked for, a group each (two CTAs an SM)."""
@@ -125,15 +132,15 @@ def slots_for(n: int, k: int, tc: int, ctas: int) -> int:
 
 
 def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, swiglu_out: bool = False) -> bool:
-    """True when tc_linear takes this call: CUDA, Hopper, bf16, 1 to TC_MAX_ROWS rows, shapes that tile
-    evenly (with swiglu_out, w's gate and up halves in blocks of 32 rows)."""
+    """True when tc_linear takes this call: CUDA, Hopper, bf16, 1 to TC_MAX_ROWS rows (TC_SILU_MUL_MAX_ROWS
+    with silu_mul), shapes that tile evenly (with swiglu_out, w's gate and up halves in blocks of 32 rows)."""
     if swiglu_out and (silu_mul or w.shape[0] % (2 * HALF)):
         return False
     if not (HAVE_GLUON and pdl_enabled(x.device)):  # pdl_enabled: CUDA, sm >= 90, compiled
         return False
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2:
         return False
-    if not 1 <= x.shape[0] <= TC_MAX_ROWS:
+    if not 1 <= x.shape[0] <= (TC_SILU_MUL_MAX_ROWS if silu_mul else TC_MAX_ROWS):
         return False
     n, k = w.shape
     tc = TC_TILE_COLS
@@ -376,17 +383,20 @@ class _Workspace:
     """Per device: the split groups' fp32 partials and their arrival counters (reset by their last user).
 
     Allocated on the first call of a shape (the warm-up, outside any graph capture); calls that share it
-    run in order on one stream, as the decode loop's do."""
+    run in order on one stream, as the decode loop's do. A grown workspace keeps the smaller ones alive:
+    graphs captured before still point at them."""
 
     def __init__(self) -> None:
         self.part: dict[torch.device, torch.Tensor] = {}
         self.cnt: dict[torch.device, torch.Tensor] = {}
+        self.outgrown: list[torch.Tensor] = []
 
     def get(self, device: torch.device, part_elems: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         part, cnt = self.part.get(device), self.cnt.get(device)
         if part is None or part.numel() < part_elems or cnt.numel() < groups:
-            if torch.cuda.is_current_stream_capturing():
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("tc_linear: a shape's first call must run eagerly before graph capture")
+            self.outgrown += [t for t in (part, cnt) if t is not None]
             part = self.part[device] = torch.empty(
                 max(part_elems, 1 << 21), device=device, dtype=torch.float32
             )
@@ -399,7 +409,7 @@ _WORKSPACE = _Workspace()
 
 def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bool = False,
               swiglu_out: bool = False, pace: int = 0) -> torch.Tensor:  # fmt: skip
-    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (M <= 16); with silu_mul, x is [M, 2K] (gate then up).
+    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (M <= 32); with silu_mul, x is [M, 2K] (gate then up).
 
     swiglu_out: w is [gate; up] and the result silu_and_mul(x @ w.T), [M, N / 2] (not with partial).
 
@@ -411,7 +421,7 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     assert not (swiglu_out and (partial or silu_mul))
     tc, nbuf, per_sm = TC_TILE_COLS, TC_RING_SLOTS, TC_CTAS_PER_SM
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    ntok = 8 if m <= 8 else 16
+    ntok = token_tile(m)
     kt = k // tc
     tiles = (n // TR) * kt
     ctas, budget = launch_plan(n, k, tc, sm_count(x.device), per_sm, partial)

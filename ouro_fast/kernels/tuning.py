@@ -11,8 +11,15 @@ from __future__ import annotations
 
 # ---- tensor-core matmul (tc_gemm) ----
 
-# Rows (tokens) up to which decode matmuls run on tensor cores: the kernel's widest token tile.
-TC_MAX_ROWS = 16
+# Rows (tokens) up to which matmuls run on tensor cores: the kernel's widest token tile; above, cuBLAS.
+# H100, decode loop at context 160: 1.741 ms at 32 rows against 1.932 on cuBLAS; a 64-token tile measured
+# 2.451 ms at 64 rows against cuBLAS's 2.443 (with 128-column tiles, deeper rings or 128 registers too).
+TC_MAX_ROWS = 32
+# The kernel's token tiles (the wgmma's N); a call takes the smallest that holds its rows.
+TC_TOKEN_TILES = (8, 16, 32)
+# Rows up to which down's SiLU-and-mul prologue runs in the kernel: it holds a tile's gate and up chunks
+# in registers (wider calls take gate_up's SwiGLU epilogue, or cuBLAS).
+TC_SILU_MUL_MAX_ROWS = 16
 # K columns of a [64, TC] weight tile: one 32 KB TMA load in bf16, a wgmma of K 256.
 TC_TILE_COLS = 256
 # Most weight tiles in a CTA's ring (fewer where the shared-memory budget or the CTA's tiles are fewer).
@@ -29,9 +36,9 @@ TC_PREFETCH_TILES = 64
 # Pace (x 500 ns between the first tiles, while the PDL wait lasts) of qkv, o_proj and gate_up, whose CTAs
 # start beside a running kernel: loop 0.852 / 0.962 ms at 1 / 8 rows against 0.879 / 0.997 unpaced.
 TC_PACE_BESIDE = 2
-# Registers a thread, by token tile (8 or 16): 112 at 8 leaves room for the attention's and norms' CTAs
-# beside the matmul's (loop at 4 / 8 rows 0.991 / 1.038 ms against 1.054 / 1.078 with 128).
-TC_MAXNREG = {8: 112, 16: 128}
+# Registers a thread, by token tile: 112 at 8 leaves room for the attention's and norms' CTAs beside the
+# matmul's (loop at 4 / 8 rows 0.991 / 1.038 ms against 1.054 / 1.078 with 128; at 32 rows 1.742 with 96).
+TC_MAXNREG = {8: 112, 16: 128, 32: 128}
 
 # ---- FP8 weights (fp8.py) ----
 

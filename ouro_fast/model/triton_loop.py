@@ -7,7 +7,7 @@ applies RoPE and writes K/V; prefill: RoPE + K/V write, then attention), o_proj,
 fused add + two RMSNorms, gate_up and down matmuls with SiLU-and-mul fused into one
 of them (gate_up's epilogue on tensor cores, else down's prologue), fused add +
 RMSNorm (of the next layer's input, or the final norm after the last layer). Up to
-16 tokens (tuning.TC_MAX_ROWS) the matmuls are, on Hopper with bf16, the tensor-core
+32 tokens (tuning.TC_MAX_ROWS) the matmuls are, on Hopper with bf16, the tensor-core
 kernel (kernels/tc_gemm.py, which streams its weights before its PDL wait), elsewhere
 the skinny Triton kernel (so on Hopper every kernel of the loop is a PDL launch);
 beyond, cuBLAS. FP8 weights (model/quantization.py) run kernels/fp8.py's matmuls at every row count. On
