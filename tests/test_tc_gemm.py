@@ -105,6 +105,9 @@ def test_ring_fits_the_budget_and_keeps_two_slots():
         used = nbuf * (64 * tc + nx * ntok * tc) * 2 + (ntok * tc * 2 if silu else 0)
         assert nbuf >= 2 and used <= 225 * 1024
     assert tc_gemm.ring_slots(256, 16, True, most=4, budget=10_000) == 2
+    # FP8 weight tiles take half the bytes: more of them fit (16 KB + a 4 KB x chunk a slot at 8 tokens).
+    assert tc_gemm.ring_slots(256, 8, False, most=16, budget=100 * 1024, w_bytes=1) == 4
+    assert tc_gemm.ring_slots(256, 8, False, most=16, budget=100 * 1024) == 2
 
 
 def test_ring_never_has_more_slots_than_a_cta_has_tiles():
@@ -125,7 +128,7 @@ def test_decode_mlp_paces_gate_up_but_not_down(monkeypatch):
 
     calls = []
 
-    def fake(x, w, silu_mul=False, partial=False, swiglu_out=False, pace=0):
+    def fake(x, w, silu_mul=False, partial=False, swiglu_out=False, pace=0, w_scale=None):
         calls.append((tuple(w.shape), swiglu_out, partial, pace))
         return torch.zeros(x.shape[0], w.shape[0] // 2 if swiglu_out else w.shape[0])
 
@@ -292,4 +295,88 @@ def test_engine_on_tensor_cores_matches_fp32_dense_reference(tmp_path, monkeypat
             err = float((a[:v].float().cpu() - b[:v]).abs().max() / b[:v].abs().max())
             assert err <= 0.04, (i, k, err)  # test_gpu_runner's BF16_REL_TOL
             if got.output_ids[k] != want.tokens[k]:
+                break
+
+
+def fp8_weight(n, k, gen):
+    from ouro_fast.model.quantization import quantize_fp8
+
+    return quantize_fp8(0.02 * torch.randn(n, k, device="cuda", generator=gen))
+
+
+@needs_hopper
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", [1, 8, 16, 32])
+@pytest.mark.parametrize("partial", [False, True])
+def test_fp8_weights_give_the_product_with_the_scaled_weights(n, k, m, partial):
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m + 1)
+    w = fp8_weight(n, k, gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    assert tc_gemm.supported(x, w.data)
+
+    def run(rows):
+        y = tc_gemm.tc_linear(rows, w.data, partial=partial, w_scale=w.scale)
+        return y.float() if not partial else sum(y[1:], y[0].clone())
+
+    got, want = run(x), F.linear(x.float(), w.dequantize(torch.float32))
+    assert float((got - want).abs().max()) <= 0.01 * float(want.abs().max())
+    assert torch.equal(run(x), got)
+    first = next(t for t in (1, 9, 17) if tc_gemm.token_tile(t) == tc_gemm.token_tile(m))
+    assert torch.equal(run(x[:first].contiguous()), got[:first])
+    with pytest.raises(ValueError, match="w_scale"):
+        tc_gemm.tc_linear(x, w.data)
+
+
+@needs_hopper
+@pytest.mark.parametrize("n, k", [(11264, 2048), (1536, 512)])
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_fp8_swiglu_out_scales_gate_and_up_rows_by_their_own_scales(n, k, m):
+    gen = torch.Generator(device="cuda").manual_seed(n + m + 2)
+    w = fp8_weight(n, k, gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    gu = tc_gemm.tc_linear(x, w.data, w_scale=w.scale)
+    f = n // 2
+    want = (F.silu(gu[:, :f].float()).to(gu.dtype).float() * gu[:, f:].float()).to(gu.dtype)
+    assert torch.equal(tc_gemm.tc_linear(x, w.data, swiglu_out=True, w_scale=w.scale), want)
+
+
+@needs_hopper
+def test_fp8_engine_on_tensor_cores_matches_the_fp32_fp8_engine(tmp_path):
+    from ouro_fast.engine.engine import Engine, EngineConfig
+    from ouro_fast.engine.sampling import SamplingParams
+    from ouro_fast.model.checkpoints import PRESETS, make_checkpoint
+
+    cfg = dataclasses.replace(PRESETS["tiny"], hidden_size=512, intermediate_size=768, num_attention_heads=4,
+                              num_key_value_heads=4, head_dim=128)  # fmt: skip
+    model_dir = str(make_checkpoint(cfg, tmp_path, seed=4, dtype="float32", progress=False))
+    calls = []
+    real = tc_gemm.tc_linear
+    fp8_calls = lambda *a, **kw: calls.append(kw.get("w_scale") is not None) or real(*a, **kw)  # noqa: E731
+    params = SamplingParams(max_tokens=6, temperature=0, exit_threshold=1.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 30))]
+    results = []
+    cpu, gpu = dict(dtype="float32", runner="torch", device="cpu"), dict(dtype="bfloat16", runner="triton")
+    for opts in (cpu, gpu):
+        engine = Engine(EngineConfig(model=model_dir, quantization="fp8", keep_logits=True,
+                                     max_num_batched_tokens=16, **opts))  # fmt: skip
+        if opts["runner"] == "triton":
+            tc_gemm.tc_linear = fp8_calls
+        try:
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, params)
+            done = {}
+            while engine.has_unfinished_requests():
+                done.update({o.request_id: o.request for o in engine.step() if o.finished})
+        finally:
+            tc_gemm.tc_linear = real
+        results.append(done)
+        v = engine.vocab_limit
+    assert calls and all(calls), "the FP8 engine never ran the tensor-core matmul with its scales"
+    for i in range(len(prompts)):
+        want, got = results[0][str(i)], results[1][str(i)]
+        assert got.output_ids[0] == want.output_ids[0]
+        for k, (a, b) in enumerate(zip(got.logits, want.logits)):  # while the two streams agree
+            err = float((a[:v].float().cpu() - b[:v].float()).abs().max() / b[:v].float().abs().max())
+            assert err <= 0.04, (i, k, err)
+            if got.output_ids[k] != want.output_ids[k]:
                 break

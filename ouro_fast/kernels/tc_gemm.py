@@ -28,6 +28,11 @@ rounded as silu_and_mul rounds it (the down projection). With SWIGLU (gate_up, s
 the product's dtype and stores silu(gate) * up as silu_and_mul rounds it, bit for bit what down's SILU_MUL
 prologue computes, so that down reads a plain input.
 
+FP8 weights (float8 e4m3 [N, K] with a float32 scale per output row, model/quantization.py): the loader
+streams half the bytes; the warpgroup widens each tile to bf16 in registers (exactly: every e4m3 value is a
+bf16 value) as the wgmma's A operand, and each group's sums are scaled by their rows' scales before they
+are stored (or handed on as partials).
+
 Tile sizes, ring, shared memory, prefetch, pace and register caps come from tuning.py. Gluon has no
 interpreter: on the CPU only the partition helpers are tested; the kernel is tested against F.linear, and
 inside the engine, on a Hopper GPU (tests/test_tc_gemm.py).
@@ -89,12 +94,13 @@ def contributors(group: int, kt: int, tiles: int, ctas: int) -> tuple[int, int]:
 
 
 def ring_slots(tc: int, ntok: int, silu_mul: bool, most: int, budget: int = TC_SMEM_BUDGET,
-               swiglu: bool = False) -> int:  # fmt: skip
-    """Ring slots (weight tile + activation chunks each) within the shared-memory budget, 2 at least."""
+               swiglu: bool = False, w_bytes: int = 2) -> int:  # fmt: skip
+    """Ring slots (weight tile of w_bytes an element + activation chunks each) within the shared-memory
+    budget, 2 at least."""
     nx = 2 if silu_mul else 1
     fixed = ntok * tc * 2 if silu_mul else 0  # the SiLU product's buffer
     fixed += TR * ntok * 2 if swiglu else 0  # the group's gate/up rows, for the SwiGLU epilogue
-    return max(2, min(most, (budget - fixed - 1024) // (TR * tc * 2 + nx * ntok * tc * 2)))
+    return max(2, min(most, (budget - fixed - 1024) // (TR * tc * w_bytes + nx * ntok * tc * 2)))
 
 
 def slots_used(n: int, k: int, tc: int, ctas: int, slots: int) -> int:
@@ -132,13 +138,14 @@ def slots_for(n: int, k: int, tc: int, ctas: int) -> int:
 
 
 def supported(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, swiglu_out: bool = False) -> bool:
-    """True when tc_linear takes this call: CUDA, Hopper, bf16, 1 to TC_MAX_ROWS rows (TC_SILU_MUL_MAX_ROWS
-    with silu_mul), shapes that tile evenly (with swiglu_out, w's gate and up halves in blocks of 32 rows)."""
+    """True when tc_linear takes this call: CUDA, Hopper, x bf16, w bf16 or float8 e4m3, 1 to TC_MAX_ROWS
+    rows (TC_SILU_MUL_MAX_ROWS with silu_mul), shapes that tile evenly (with swiglu_out, w's gate and up
+    halves in blocks of 32 rows)."""
     if swiglu_out and (silu_mul or w.shape[0] % (2 * HALF)):
         return False
     if not (HAVE_GLUON and pdl_enabled(x.device)):  # pdl_enabled: CUDA, sm >= 90, compiled
         return False
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2:
+    if x.dtype != torch.bfloat16 or w.dtype not in (torch.bfloat16, torch.float8_e4m3fn) or x.dim() != 2:
         return False
     if not 1 <= x.shape[0] <= (TC_SILU_MUL_MAX_ROWS if silu_mul else TC_MAX_ROWS):
         return False
@@ -291,6 +298,17 @@ if HAVE_GLUON:
                 gl.atomic_xchg(cnt_ptr + g, 0, sem="relaxed")  # ready for the next call
 
     @gluon.jit
+    def _scaled(acc, s_ptr, g, F, ACC: gl.constexpr, SWIGLU: gl.constexpr):
+        # Row group g's sums times their weight rows' scales (FP8); a SWIGLU group's rows 0-31 are gate's
+        # rows g * 32 + r, its rows 32-63 up's, F + g * 32 + r - 32.
+        r = gl.arange(0, _TR, layout=gl.SliceLayout(1, ACC))
+        if SWIGLU:
+            rows = gl.where(r < _HALF, g * _HALF + r, F + g * _HALF + r - _HALF)
+        else:
+            rows = g * _TR + r
+        return acc * gl.load(s_ptr + rows)[:, None]
+
+    @gluon.jit
     def _store_slot(acc, out_ptr, g, M, stride_out, T, G, KT, S, ACC: gl.constexpr, NTOK: gl.constexpr):
         # Row group g's partial from this CTA into its slot of out [S, M, N] fp32 (slot j: the group's
         # j-th contributor); the first contributor zero-fills the slots past the last.
@@ -307,12 +325,14 @@ if HAVE_GLUON:
                 gl.store(out + s * M * stride_out, gl.zeros_like(acc), mask=mask)
 
     @gluon.jit
-    def _consumer(out_ptr, part_ptr, cnt_ptr, ring, xring, xs, es, wready, xready, empty, M, stride_out, T,
-                  G, KT, S, NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr, SILU_MUL: gl.constexpr,
-                  PARTS: gl.constexpr, SWIGLU: gl.constexpr):  # fmt: skip
+    def _consumer(out_ptr, part_ptr, cnt_ptr, s_ptr, ring, xring, xs, es, wready, xready, empty, M,
+                  stride_out, T, G, KT, S, F, NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr,
+                  SILU_MUL: gl.constexpr, PARTS: gl.constexpr, SWIGLU: gl.constexpr,
+                  W_FP8: gl.constexpr):  # fmt: skip
         # One warpgroup: a wgmma per tile; a group's sums are finished when its last tile in the range is.
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, NTOK, 16])  # fmt: skip
+        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)  # a widened FP8 tile
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         lo, n = _range(T, G)
         acc = gl.zeros([_TR, NTOK], gl.float32, ACC)
@@ -334,10 +354,17 @@ if HAVE_GLUON:
                 xt = xring.index(slot).permute((1, 0))  # [TC, NTOK], K-major
             mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
             fresh = (b == 0) | (i == 0)  # a group's first tile here starts its sum
-            acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=not fresh, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+            if W_FP8:
+                a = ring.index(slot).load(AL).to(gl.bfloat16)
+                acc = warpgroup_mma(a, xt, acc, use_acc=not fresh, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            else:
+                acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=not fresh, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(slot), count=1)
             if (b == KT - 1) | (i == n - 1):  # the group's last tile here
+                if W_FP8:
+                    acc = _scaled(acc, s_ptr, g, F, ACC, SWIGLU)
                 if PARTS:
                     _store_slot(acc, out_ptr, g, M, stride_out, T, G, KT, S, ACC, NTOK)
                 else:
@@ -346,9 +373,10 @@ if HAVE_GLUON:
                     )
 
     @gluon.jit
-    def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, M, stride_out, T, G, KT, S, F,
+    def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, s_ptr, M, stride_out, T, G, KT, S, F,
                         NBUF: gl.constexpr, SILU_MUL: gl.constexpr, PARTS: gl.constexpr, PRE: gl.constexpr,
-                        SWIGLU: gl.constexpr = False, PACE: gl.constexpr = 0):  # fmt: skip
+                        SWIGLU: gl.constexpr = False, PACE: gl.constexpr = 0,
+                        W_FP8: gl.constexpr = False):  # fmt: skip
         TC: gl.constexpr = w_desc.block_type.shape[1]
         NTOK: gl.constexpr = x_desc.block_type.shape[0]
         NX: gl.constexpr = 2 if SILU_MUL else 1
@@ -372,8 +400,8 @@ if HAVE_GLUON:
             mbarrier.init(xready.index(k), count=1)
             mbarrier.init(empty.index(k), count=1)
         gl.warp_specialize([
-            (_consumer, (out_ptr, part_ptr, cnt_ptr, ring, xring, xs, es, wready, xready, empty, M,
-                         stride_out, T, G, KT, S, NBUF, NTOK, TC, SILU_MUL, PARTS, SWIGLU)),
+            (_consumer, (out_ptr, part_ptr, cnt_ptr, s_ptr, ring, xring, xs, es, wready, xready, empty, M,
+                         stride_out, T, G, KT, S, F, NBUF, NTOK, TC, SILU_MUL, PARTS, SWIGLU, W_FP8)),
             (_wloader, (w_desc, ring, wready, empty, go, gone, T, G, KT, F, NBUF, PRE, SWIGLU, PACE)),
             (_xloader, (x_desc, xring, xready, empty, go, gone, T, G, KT, F, NBUF, SILU_MUL)),
         ], [1, 1], [40, 40])  # fmt: skip
@@ -408,8 +436,11 @@ _WORKSPACE = _Workspace()
 
 
 def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial: bool = False,
-              swiglu_out: bool = False, pace: int = 0) -> torch.Tensor:  # fmt: skip
+              swiglu_out: bool = False, pace: int = 0,
+              w_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (M <= 32); with silu_mul, x is [M, 2K] (gate then up).
+
+    w float8 e4m3 needs w_scale, float32 [N]: the product is x @ (w * w_scale[:, None]).T.
 
     swiglu_out: w is [gate; up] and the result silu_and_mul(x @ w.T), [M, N / 2] (not with partial).
 
@@ -419,6 +450,9 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     a matmul whose CTAs start beside a running kernel); results do not depend on it.
     Call only where supported(x, w, silu_mul, swiglu_out)."""
     assert not (swiglu_out and (partial or silu_mul))
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if fp8 != (w_scale is not None):
+        raise ValueError("tc_linear: a float8 weight needs its w_scale, a bf16 one none")
     tc, nbuf, per_sm = TC_TILE_COLS, TC_RING_SLOTS, TC_CTAS_PER_SM
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     ntok = token_tile(m)
@@ -431,15 +465,17 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     else:
         out = torch.empty(m, n // 2 if swiglu_out else n, device=x.device, dtype=x.dtype)
     wrows = HALF if swiglu_out else TR  # a SWIGLU tile is two loads: gate's rows and up's
-    wl = gl.NVMMASharedLayout.get_default_for([wrows, tc], gl.bfloat16)
+    wl = gl.NVMMASharedLayout.get_default_for([wrows, tc], gl.float8e4nv if fp8 else gl.bfloat16)
     xl = gl.NVMMASharedLayout.get_default_for([ntok, tc], gl.bfloat16)
     w_desc = TensorDescriptor.from_tensor(w, [wrows, tc], wl)
     x_desc = TensorDescriptor.from_tensor(x, [ntok, tc], xl)
     part, cnt = _WORKSPACE.get(x.device, (n // TR) * kt * TR * ntok, n // TR)
+    scale = w_scale if fp8 else part  # unread without FP8
+    ring = ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out, w.element_size())
     _tc_gemm_kernel[(ctas,)](
-        w_desc, x_desc, out, part, cnt, m, out.shape[-1], tiles, ctas, kt, slots, n // 2 if swiglu_out else k,
-        NBUF=slots_used(n, k, tc, ctas, ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out)),
-        SILU_MUL=silu_mul, PARTS=partial, PRE=TC_PREFETCH_TILES, PACE=pace, SWIGLU=swiglu_out,
+        w_desc, x_desc, out, part, cnt, scale, m, out.shape[-1], tiles, ctas, kt, slots,
+        n // 2 if swiglu_out else k, NBUF=slots_used(n, k, tc, ctas, ring), SILU_MUL=silu_mul, PARTS=partial,
+        PRE=TC_PREFETCH_TILES, PACE=pace, SWIGLU=swiglu_out, W_FP8=fp8,
         num_warps=4, maxnreg=TC_MAXNREG[ntok], launch_pdl=True,
     )  # fmt: skip
     return out

@@ -10,7 +10,8 @@ RMSNorm (of the next layer's input, or the final norm after the last layer). Up 
 32 tokens (tuning.TC_MAX_ROWS) the matmuls are, on Hopper with bf16, the tensor-core
 kernel (kernels/tc_gemm.py, which streams its weights before its PDL wait), elsewhere
 the skinny Triton kernel (so on Hopper every kernel of the loop is a PDL launch);
-beyond, cuBLAS. FP8 weights (model/quantization.py) run kernels/fp8.py's matmuls at every row count. On
+beyond, cuBLAS. FP8 weights (model/quantization.py) take the tensor-core kernel where it applies, else
+kernels/fp8.py's matmuls. On
 tensor cores qkv (in decode calls), o_proj and down hand out fp32
 partial products, which the decode attention and the norms add: no matmul sums between
 its CTAs.
@@ -30,16 +31,17 @@ from .quantization import Fp8Weight
 
 def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, silu_mul: bool = False, partial: bool = False,
            pace: int = 0) -> torch.Tensor:  # fmt: skip
-    """x @ w.T (of silu(gate) * up with silu_mul): tensor cores on Hopper, else the skinny kernel; FP8
-    weights on kernels/fp8.py's kernels.
+    """x @ w.T (of silu(gate) * up with silu_mul): tensor cores on Hopper (bf16 or FP8 weights), else the
+    skinny kernel, or kernels/fp8.py's kernels for FP8 weights.
 
     partial: where the tensor-core kernel takes the call, return its fp32 partial products [S, M, N]
     instead (for the consumer to add in slot order; no sums between CTAs inside the matmul).
     pace: the tensor-core kernel's pause between its first weight tiles (tc_linear)."""
-    if isinstance(w, Fp8Weight):
-        return fp8_linear(x, w.data, w.scale, silu_mul=silu_mul)
-    if tc_gemm.supported(x, w, silu_mul):
-        return tc_gemm.tc_linear(x, w, silu_mul, partial=partial, pace=pace)
+    data, scale = (w.data, w.scale) if isinstance(w, Fp8Weight) else (w, None)
+    if tc_gemm.supported(x, data, silu_mul):
+        return tc_gemm.tc_linear(x, data, silu_mul, partial=partial, pace=pace, w_scale=scale)
+    if scale is not None:
+        return fp8_linear(x, data, scale, silu_mul=silu_mul)
     return skinny_linear(x, w, silu_mul=silu_mul)
 
 
@@ -48,9 +50,10 @@ def mlp_partial(m: torch.Tensor, mlp) -> torch.Tensor:
 
     On tensor cores gate_up hands down silu(gate) * up (tc_gemm's swiglu_out), the bits down's own SiLU
     prologue would compute, so down multiplies a plain input."""
-    fp8 = isinstance(mlp.gate_up_weight, Fp8Weight)
-    if not fp8 and tc_gemm.supported(m, mlp.gate_up_weight, swiglu_out=True):
-        gu = tc_gemm.tc_linear(m, mlp.gate_up_weight, swiglu_out=True, pace=TC_PACE_BESIDE)
+    w = mlp.gate_up_weight
+    data, scale = (w.data, w.scale) if isinstance(w, Fp8Weight) else (w, None)
+    if tc_gemm.supported(m, data, swiglu_out=True):
+        gu = tc_gemm.tc_linear(m, data, swiglu_out=True, pace=TC_PACE_BESIDE, w_scale=scale)
         return linear(gu, mlp.down_proj.weight, partial=True)
     return linear(linear(m, mlp.gate_up_weight), mlp.down_proj.weight, silu_mul=True, partial=True)
 
