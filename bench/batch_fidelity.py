@@ -11,6 +11,7 @@ docs' bound; tests/test_batch_fidelity.py holds the engine to it on the tiny pre
 
     python -m bench.batch_fidelity --preset ouro-1.4b --device cuda               # bf16, 64 rows
     python -m bench.batch_fidelity --model DIR --prompts 32 --threshold 0.5
+    python -m bench.batch_fidelity --model DIR --quantization fp8   # FP8 weights against the fp32 model
 Prints one JSON line; nothing is written.
 """
 
@@ -111,12 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threshold", type=float, nargs="+", default=[1.0, 0.5])
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the engine's weights")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(make_checkpoint(args.preset, tmp, dtype="bfloat16", progress=False))
         prompts = random_prompts(args.prompts, args.prompt_len, vocab_limit(model_dir))
         for threshold in args.threshold:
             engine = dict(device=args.device, dtype=args.dtype)
+            if args.quantization != "none":  # the reference stays the fp32 checkpoint
+                engine["quantization"] = args.quantization
             print(json.dumps(measure(model_dir, prompts, args.max_tokens, threshold, **engine)), flush=True)
     return 0
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, as the other kernel tests set it
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from ouro_fast.kernels import tc_gemm  # noqa: E402
+from ouro_fast.kernels import tc_gemm, tuning  # noqa: E402
 from ouro_fast.kernels.tuning import (  # noqa: E402
     TC_MAX_ROWS,
     TC_PACE_BESIDE,
@@ -319,7 +319,8 @@ def test_fp8_weights_give_the_product_with_the_scaled_weights(n, k, m, partial):
         return y.float() if not partial else sum(y[1:], y[0].clone())
 
     got, want = run(x), F.linear(x.float(), w.dequantize(torch.float32))
-    assert float((got - want).abs().max()) <= 0.01 * float(want.abs().max())
+    tol = 0.04 if tuning.TC_FP8_ACTIVATIONS else 0.01  # e4m3 activations: 3 mantissa bits
+    assert float((got - want).abs().max()) <= tol * float(want.abs().max())
     assert torch.equal(run(x), got)
     first = next(t for t in (1, 9, 17) if tc_gemm.token_tile(t) == tc_gemm.token_tile(m))
     assert torch.equal(run(x[:first].contiguous()), got[:first])
@@ -357,11 +358,11 @@ def test_fp8_engine_on_tensor_cores_matches_the_fp32_fp8_engine(tmp_path):
     results = []
     cpu, gpu = dict(dtype="float32", runner="torch", device="cpu"), dict(dtype="bfloat16", runner="triton")
     for opts in (cpu, gpu):
-        engine = Engine(EngineConfig(model=model_dir, quantization="fp8", keep_logits=True,
-                                     max_num_batched_tokens=16, **opts))  # fmt: skip
-        if opts["runner"] == "triton":
+        if opts["runner"] == "triton":  # before the engine captures its graphs
             tc_gemm.tc_linear = fp8_calls
         try:
+            engine = Engine(EngineConfig(model=model_dir, quantization="fp8", keep_logits=True,
+                                         max_num_batched_tokens=16, **opts))  # fmt: skip
             for i, p in enumerate(prompts):
                 engine.add_request(str(i), p, params)
             done = {}

@@ -44,6 +44,7 @@ import functools
 
 import torch
 
+from . import tuning
 from .launch import sm_count
 from .pdl import pdl_enabled
 from .tuning import (
@@ -325,7 +326,7 @@ if HAVE_GLUON:
                 gl.store(out + s * M * stride_out, gl.zeros_like(acc), mask=mask)
 
     @gluon.jit
-    def _consumer(out_ptr, part_ptr, cnt_ptr, s_ptr, ring, xring, xs, es, wready, xready, empty, M,
+    def _consumer(out_ptr, part_ptr, cnt_ptr, s_ptr, ring, xring, xs, xq, es, wready, xready, empty, M,
                   stride_out, T, G, KT, S, F, NBUF: gl.constexpr, NTOK: gl.constexpr, TC: gl.constexpr,
                   SILU_MUL: gl.constexpr, PARTS: gl.constexpr, SWIGLU: gl.constexpr,
                   W_FP8: gl.constexpr):  # fmt: skip
@@ -336,6 +337,7 @@ if HAVE_GLUON:
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         lo, n = _range(T, G)
         acc = gl.zeros([_TR, NTOK], gl.float32, ACC)
+        zero = gl.zeros([_TR, NTOK], gl.float32, ACC)
         for i in range(n):
             slot = i % NBUF
             t = lo + i
@@ -346,15 +348,35 @@ if HAVE_GLUON:
                 gate = xring.index(2 * slot).load(XL).to(gl.float32)
                 up = xring.index(2 * slot + 1).load(XL).to(gl.float32)
                 act = (gate / (1.0 + gl.exp(-gate))).to(xs.dtype).to(gl.float32)
-                xs.store((act * up).to(xs.dtype))
-                fence_async_shared()
-                gl.thread_barrier()
+                prod = (act * up).to(xs.dtype)
+                if W_FP8 != 2:
+                    xs.store(prod)
+                    fence_async_shared()
+                    gl.thread_barrier()
                 xt = xs.permute((1, 0))
             else:
                 xt = xring.index(slot).permute((1, 0))  # [TC, NTOK], K-major
+            if W_FP8 == 2:  # the chunk in e4m3, scaled per token to the format's range
+                if SILU_MUL:
+                    xv = prod.to(gl.float32)
+                else:
+                    xv = xring.index(slot).load(XL).to(gl.float32)
+                xsc = gl.maximum(gl.max(gl.abs(xv), axis=1), 1e-30) / 448.0
+                xq.store((xv / xsc[:, None]).to(xq.dtype))
+                fence_async_shared()
+                gl.thread_barrier()
+                xt = xq.permute((1, 0))
             mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
             fresh = (b == 0) | (i == 0)  # a group's first tile here starts its sum
-            if W_FP8:
+            if W_FP8 == 2:  # e4m3 x e4m3, each tile's product scaled by its chunk's token scales
+                prt = warpgroup_mma(ring.index(slot), xt, zero, use_acc=False, is_async=True)
+                prt = warpgroup_mma_wait(0, deps=[prt])
+                prt = prt * gl.convert_layout(xsc, gl.SliceLayout(0, ACC))[None, :]
+                if fresh:
+                    acc = prt
+                else:
+                    acc = acc + prt
+            elif W_FP8 == 1:
                 a = ring.index(slot).load(AL).to(gl.bfloat16)
                 acc = warpgroup_mma(a, xt, acc, use_acc=not fresh, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
@@ -376,7 +398,7 @@ if HAVE_GLUON:
     def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, s_ptr, M, stride_out, T, G, KT, S, F,
                         NBUF: gl.constexpr, SILU_MUL: gl.constexpr, PARTS: gl.constexpr, PRE: gl.constexpr,
                         SWIGLU: gl.constexpr = False, PACE: gl.constexpr = 0,
-                        W_FP8: gl.constexpr = False):  # fmt: skip
+                        W_FP8: gl.constexpr = 0, XQ_LAYOUT: gl.constexpr = None):  # fmt: skip
         TC: gl.constexpr = w_desc.block_type.shape[1]
         NTOK: gl.constexpr = x_desc.block_type.shape[0]
         NX: gl.constexpr = 2 if SILU_MUL else 1
@@ -388,6 +410,7 @@ if HAVE_GLUON:
         es = gl.allocate_shared_memory(
             x_desc.dtype, [_TR if SWIGLU else 1, NTOK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         )  # a SWIGLU group's gate and up rows
+        xq = gl.allocate_shared_memory(gl.float8e4nv, [NTOK if W_FP8 == 2 else 1, TC], XQ_LAYOUT)  # W8A8's x
         wready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         xready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -400,7 +423,7 @@ if HAVE_GLUON:
             mbarrier.init(xready.index(k), count=1)
             mbarrier.init(empty.index(k), count=1)
         gl.warp_specialize([
-            (_consumer, (out_ptr, part_ptr, cnt_ptr, s_ptr, ring, xring, xs, es, wready, xready, empty, M,
+            (_consumer, (out_ptr, part_ptr, cnt_ptr, s_ptr, ring, xring, xs, xq, es, wready, xready, empty, M,
                          stride_out, T, G, KT, S, F, NBUF, NTOK, TC, SILU_MUL, PARTS, SWIGLU, W_FP8)),
             (_wloader, (w_desc, ring, wready, empty, go, gone, T, G, KT, F, NBUF, PRE, SWIGLU, PACE)),
             (_xloader, (x_desc, xring, xready, empty, go, gone, T, G, KT, F, NBUF, SILU_MUL)),
@@ -471,11 +494,14 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     x_desc = TensorDescriptor.from_tensor(x, [ntok, tc], xl)
     part, cnt = _WORKSPACE.get(x.device, (n // TR) * kt * TR * ntok, n // TR)
     scale = w_scale if fp8 else part  # unread without FP8
+    mode = (2 if tuning.TC_FP8_ACTIVATIONS else 1) if fp8 else 0
+    budget -= ntok * tc if mode == 2 else 0  # the e4m3 x chunk
     ring = ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out, w.element_size())
     _tc_gemm_kernel[(ctas,)](
         w_desc, x_desc, out, part, cnt, scale, m, out.shape[-1], tiles, ctas, kt, slots,
         n // 2 if swiglu_out else k, NBUF=slots_used(n, k, tc, ctas, ring), SILU_MUL=silu_mul, PARTS=partial,
-        PRE=TC_PREFETCH_TILES, PACE=pace, SWIGLU=swiglu_out, W_FP8=fp8,
+        PRE=TC_PREFETCH_TILES, PACE=pace, SWIGLU=swiglu_out, W_FP8=mode,
+        XQ_LAYOUT=gl.NVMMASharedLayout.get_default_for([ntok, tc], gl.float8e4nv),
         num_warps=4, maxnreg=TC_MAXNREG[ntok], launch_pdl=True,
     )  # fmt: skip
     return out
