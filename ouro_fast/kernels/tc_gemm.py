@@ -331,8 +331,9 @@ if HAVE_GLUON:
                   SILU_MUL: gl.constexpr, PARTS: gl.constexpr, SWIGLU: gl.constexpr,
                   W_FP8: gl.constexpr):  # fmt: skip
         # One warpgroup: a wgmma per tile; a group's sums are finished when its last tile in the range is.
+        KI: gl.constexpr = 32 if W_FP8 == 2 else 16  # the wgmma's K: 32 for e4m3 operands
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, NTOK, 16])  # fmt: skip
+                                                      instr_shape=[16, NTOK, KI])  # fmt: skip
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)  # a widened FP8 tile
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         lo, n = _range(T, G)
