@@ -27,6 +27,7 @@ from ouro_fast.model.quantization import (  # noqa: E402
     Fp8Weight,
     quantize_fp8,
     reference_linear,
+    w8a8_reference_linear,
     weight_bytes,
 )
 from ouro_fast.server.config import ConfigError, ServerConfig  # noqa: E402
@@ -146,6 +147,41 @@ def test_kernel_inputs_are_checked():
         fp8_linear(randn(20, K), w.data, w.scale, row_gate=torch.ones(20, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match=r"need x \[M, 200\]"):
         tiled_fp8_linear(randn(20, K + 1), w.data, w.scale)
+
+
+# ---- W8A8: the tensor-core kernel's math (tests/test_tc_gemm.py holds the kernel to it) ----
+
+
+def test_w8a8_equals_weight_only_where_the_activations_are_e4m3_values():
+    # Chunks whose largest magnitude is 2 and whose values are +-0.5, 1, 2 scale to +-112, 224, 448:
+    # e4m3 values, so activation quantization loses nothing.
+    w = weight(n=40, k=512)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.tensor([0.5, 1.0, 2.0])[torch.randint(0, 3, (5, 512), generator=g)]
+         * torch.where(torch.rand(5, 512, generator=g) < 0.5, -1.0, 1.0))  # fmt: skip
+    x[:, ::256] = 2.0  # every chunk holds its maximum
+    x = x.to(DEV)
+    torch.testing.assert_close(w8a8_reference_linear(x, w), reference_linear(x, w), rtol=1e-5, atol=1e-6)
+
+
+def test_w8a8_scales_each_row_and_chunk_on_its_own():
+    w, x = weight(n=40, k=512), randn(4, 512, seed=5)
+    base = w8a8_reference_linear(x, w)
+    exact = F.linear(x.float(), w.dequantize())
+    assert float((base - exact).abs().max()) <= 0.05 * float(exact.abs().max())  # 3 mantissa bits
+    big = x.clone()
+    big[2, 256:] *= 1000.0  # one row's second chunk: that row moves, the others keep their bits
+    out = w8a8_reference_linear(big, w)
+    assert torch.equal(out[[0, 1, 3]], base[[0, 1, 3]]) and not torch.equal(out[2], base[2])
+    # Scaling a whole chunk by a power of two scales its e4m3 values' scale, not the values.
+    halved = x.clone()
+    halved[:, :256] *= 0.5
+    want = w8a8_reference_linear(
+        torch.cat([x[:, :256] * 0.5, torch.zeros_like(x[:, 256:])], 1), w
+    ) + w8a8_reference_linear(torch.cat([torch.zeros_like(x[:, :256]), x[:, 256:]], 1), w)
+    torch.testing.assert_close(w8a8_reference_linear(halved, w), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        w8a8_reference_linear(randn(2, K), weight())
 
 
 # ---- the model ----

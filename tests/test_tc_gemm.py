@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, as the other kernel tests set it
 pytest.importorskip("triton", reason="triton is not installed (the test extra installs it)")
 
-from ouro_fast.kernels import tc_gemm, tuning  # noqa: E402
+from ouro_fast.kernels import tc_gemm  # noqa: E402
 from ouro_fast.kernels.tuning import (  # noqa: E402
     TC_MAX_ROWS,
     TC_PACE_BESIDE,
@@ -308,7 +308,9 @@ def fp8_weight(n, k, gen):
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 16, 32])
 @pytest.mark.parametrize("partial", [False, True])
-def test_fp8_weights_give_the_product_with_the_scaled_weights(n, k, m, partial):
+def test_fp8_weights_run_w8a8_as_the_reference_computes_it(n, k, m, partial):
+    from ouro_fast.model.quantization import w8a8_reference_linear
+
     gen = torch.Generator(device="cuda").manual_seed(n + k + m + 1)
     w = fp8_weight(n, k, gen)
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -318,9 +320,10 @@ def test_fp8_weights_give_the_product_with_the_scaled_weights(n, k, m, partial):
         y = tc_gemm.tc_linear(rows, w.data, partial=partial, w_scale=w.scale)
         return y.float() if not partial else sum(y[1:], y[0].clone())
 
-    got, want = run(x), F.linear(x.float(), w.dequantize(torch.float32))
-    tol = 0.04 if tuning.TC_FP8_ACTIVATIONS else 0.01  # e4m3 activations: 3 mantissa bits
-    assert float((got - want).abs().max()) <= tol * float(want.abs().max())
+    got, want = run(x), w8a8_reference_linear(x, w).float()
+    assert float((got - want).abs().max()) <= 0.005 * float(want.abs().max())  # summation order, one rounding
+    exact = F.linear(x.float(), w.dequantize(torch.float32))  # e4m3 activations: 3 mantissa bits
+    assert float((got - exact).abs().max()) <= 0.04 * float(exact.abs().max())
     assert torch.equal(run(x), got)
     first = next(t for t in (1, 9, 17) if tc_gemm.token_tile(t) == tc_gemm.token_tile(m))
     assert torch.equal(run(x[:first].contiguous()), got[:first])
@@ -372,12 +375,13 @@ def test_fp8_engine_on_tensor_cores_matches_the_fp32_fp8_engine(tmp_path):
             tc_gemm.tc_linear = real
         results.append(done)
         v = engine.vocab_limit
-    assert calls and all(calls), "the FP8 engine never ran the tensor-core matmul with its scales"
+        assert calls and all(calls), "the FP8 engine never ran the tensor-core matmul with its scales"
     for i in range(len(prompts)):
         want, got = results[0][str(i)], results[1][str(i)]
-        assert got.output_ids[0] == want.output_ids[0]
         for k, (a, b) in enumerate(zip(got.logits, want.logits)):  # while the two streams agree
             err = float((a[:v].float().cpu() - b[:v].float()).abs().max() / b[:v].float().abs().max())
-            assert err <= 0.04, (i, k, err)
+            # e4m3 activations: the torch engine with w8a8_reference_linear in bf16 is 0.10-0.15 from this
+            # fp32 weight-only one; a wrong scale would be off by the logits' own size.
+            assert err <= 0.3, (i, k, err)
             if got.output_ids[k] != want.output_ids[k]:
                 break

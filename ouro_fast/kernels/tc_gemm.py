@@ -28,10 +28,12 @@ rounded as silu_and_mul rounds it (the down projection). With SWIGLU (gate_up, s
 the product's dtype and stores silu(gate) * up as silu_and_mul rounds it, bit for bit what down's SILU_MUL
 prologue computes, so that down reads a plain input.
 
-FP8 weights (float8 e4m3 [N, K] with a float32 scale per output row, model/quantization.py): the loader
-streams half the bytes; the warpgroup widens each tile to bf16 in registers (exactly: every e4m3 value is a
-bf16 value) as the wgmma's A operand, and each group's sums are scaled by their rows' scales before they
-are stored (or handed on as partials).
+FP8 weights (float8 e4m3 [N, K] with a float32 scale per output row, model/quantization.py) run W8A8: the
+loader streams half the bytes; the warpgroup quantizes each tile's activation chunk [NTOK, TC] to e4m3 with a
+scale per token (its largest magnitude in the chunk maps to 448), runs an e4m3 x e4m3 wgmma into a fresh
+fp32 accumulator, and adds that times the chunk's token scales to the group's sum; each group's sums are
+scaled by their rows' weight scales before they are stored (or handed on as partials).
+model/quantization.py's w8a8_reference_linear is this math in PyTorch.
 
 Tile sizes, ring, shared memory, prefetch, pace and register caps come from tuning.py. Gluon has no
 interpreter: on the CPU only the partition helpers are tested; the kernel is tested against F.linear, and
@@ -44,7 +46,6 @@ import functools
 
 import torch
 
-from . import tuning
 from .launch import sm_count
 from .pdl import pdl_enabled
 from .tuning import (
@@ -331,10 +332,9 @@ if HAVE_GLUON:
                   SILU_MUL: gl.constexpr, PARTS: gl.constexpr, SWIGLU: gl.constexpr,
                   W_FP8: gl.constexpr):  # fmt: skip
         # One warpgroup: a wgmma per tile; a group's sums are finished when its last tile in the range is.
-        KI: gl.constexpr = 32 if W_FP8 == 2 else 16  # the wgmma's K: 32 for e4m3 operands
+        KI: gl.constexpr = 32 if W_FP8 else 16  # the wgmma's K: 32 for e4m3 operands
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, NTOK, KI])  # fmt: skip
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)  # a widened FP8 tile
         XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         lo, n = _range(T, G)
         acc = gl.zeros([_TR, NTOK], gl.float32, ACC)
@@ -350,15 +350,15 @@ if HAVE_GLUON:
                 up = xring.index(2 * slot + 1).load(XL).to(gl.float32)
                 act = (gate / (1.0 + gl.exp(-gate))).to(xs.dtype).to(gl.float32)
                 prod = (act * up).to(xs.dtype)
-                if W_FP8 != 2:
+                if not W_FP8:
                     xs.store(prod)
                     fence_async_shared()
                     gl.thread_barrier()
                 xt = xs.permute((1, 0))
             else:
                 xt = xring.index(slot).permute((1, 0))  # [TC, NTOK], K-major
-            if W_FP8 == 2:  # the chunk in e4m3, scaled per token to the format's range
-                if SILU_MUL:
+            if W_FP8:  # the chunk in e4m3, scaled per token to the format's range
+                if SILU_MUL:  # noqa: SIM108 (constexpr branches)
                     xv = prod.to(gl.float32)
                 else:
                     xv = xring.index(slot).load(XL).to(gl.float32)
@@ -369,7 +369,7 @@ if HAVE_GLUON:
                 xt = xq.permute((1, 0))
             mbarrier.wait(wready.index(slot), (i // NBUF) & 1)
             fresh = (b == 0) | (i == 0)  # a group's first tile here starts its sum
-            if W_FP8 == 2:  # e4m3 x e4m3, each tile's product scaled by its chunk's token scales
+            if W_FP8:  # e4m3 x e4m3, each tile's product scaled by its chunk's token scales
                 prt = warpgroup_mma(ring.index(slot), xt, zero, use_acc=False, is_async=True)
                 prt = warpgroup_mma_wait(0, deps=[prt])
                 prt = prt * gl.convert_layout(xsc, gl.SliceLayout(0, ACC))[None, :]
@@ -377,10 +377,6 @@ if HAVE_GLUON:
                     acc = prt
                 else:
                     acc = acc + prt
-            elif W_FP8 == 1:
-                a = ring.index(slot).load(AL).to(gl.bfloat16)
-                acc = warpgroup_mma(a, xt, acc, use_acc=not fresh, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
             else:
                 acc = warpgroup_mma(ring.index(slot), xt, acc, use_acc=not fresh, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc])
@@ -399,7 +395,7 @@ if HAVE_GLUON:
     def _tc_gemm_kernel(w_desc, x_desc, out_ptr, part_ptr, cnt_ptr, s_ptr, M, stride_out, T, G, KT, S, F,
                         NBUF: gl.constexpr, SILU_MUL: gl.constexpr, PARTS: gl.constexpr, PRE: gl.constexpr,
                         SWIGLU: gl.constexpr = False, PACE: gl.constexpr = 0,
-                        W_FP8: gl.constexpr = 0, XQ_LAYOUT: gl.constexpr = None):  # fmt: skip
+                        W_FP8: gl.constexpr = False, XQ_LAYOUT: gl.constexpr = None):  # fmt: skip
         TC: gl.constexpr = w_desc.block_type.shape[1]
         NTOK: gl.constexpr = x_desc.block_type.shape[0]
         NX: gl.constexpr = 2 if SILU_MUL else 1
@@ -411,7 +407,7 @@ if HAVE_GLUON:
         es = gl.allocate_shared_memory(
             x_desc.dtype, [_TR if SWIGLU else 1, NTOK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         )  # a SWIGLU group's gate and up rows
-        xq = gl.allocate_shared_memory(gl.float8e4nv, [NTOK if W_FP8 == 2 else 1, TC], XQ_LAYOUT)  # W8A8's x
+        xq = gl.allocate_shared_memory(gl.float8e4nv, [NTOK if W_FP8 else 1, TC], XQ_LAYOUT)  # W8A8's x
         wready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         xready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -495,13 +491,12 @@ def tc_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, partial:
     x_desc = TensorDescriptor.from_tensor(x, [ntok, tc], xl)
     part, cnt = _WORKSPACE.get(x.device, (n // TR) * kt * TR * ntok, n // TR)
     scale = w_scale if fp8 else part  # unread without FP8
-    mode = (2 if tuning.TC_FP8_ACTIVATIONS else 1) if fp8 else 0
-    budget -= ntok * tc if mode == 2 else 0  # the e4m3 x chunk
+    budget -= ntok * tc if fp8 else 0  # the e4m3 x chunk
     ring = ring_slots(tc, ntok, silu_mul, nbuf, budget, swiglu_out, w.element_size())
     _tc_gemm_kernel[(ctas,)](
         w_desc, x_desc, out, part, cnt, scale, m, out.shape[-1], tiles, ctas, kt, slots,
         n // 2 if swiglu_out else k, NBUF=slots_used(n, k, tc, ctas, ring), SILU_MUL=silu_mul, PARTS=partial,
-        PRE=TC_PREFETCH_TILES, PACE=pace, SWIGLU=swiglu_out, W_FP8=mode,
+        PRE=TC_PREFETCH_TILES, PACE=pace, SWIGLU=swiglu_out, W_FP8=fp8,
         XQ_LAYOUT=gl.NVMMASharedLayout.get_default_for([ntok, tc], gl.float8e4nv),
         num_warps=4, maxnreg=TC_MAXNREG[ntok], launch_pdl=True,
     )  # fmt: skip

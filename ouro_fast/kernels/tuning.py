@@ -40,10 +40,6 @@ TC_PACE_BESIDE = 2
 # matmul's (loop at 4 / 8 rows 0.991 / 1.038 ms against 1.054 / 1.078 with 128; at 32 rows 1.742 with 96).
 TC_MAXNREG = {8: 112, 16: 128, 32: 128}
 
-# FP8 weights on tensor cores: True quantizes each tile's activation chunk to e4m3 (a scale per token and
-# chunk) for an e4m3 x e4m3 wgmma; False widens the weight tile to bf16 in registers.
-TC_FP8_ACTIVATIONS = True
-
 # ---- FP8 weights (fp8.py) ----
 
 # Tiles of the FP8 matmul for more than SKINNY_MAX_M rows (prompt chunks), by the rows they serve up to:

@@ -72,6 +72,24 @@ def reference_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     return (F.linear(x.float(), w.data.float()) * w.scale).to(x.dtype)
 
 
+def w8a8_reference_linear(x: torch.Tensor, w: Fp8Weight, chunk: int = 256) -> torch.Tensor:
+    """x [M, K] @ w.T as the Hopper tensor-core kernel computes it (kernels/tc_gemm.py, W8A8): each chunk of
+    `chunk` columns of each row of x quantized to e4m3 with its own scale (the chunk's largest magnitude
+    maps to FP8_MAX), fp32 products of the FP8 values, each chunk's sum times its scale, added in chunk
+    order; column n scaled by s[n]; rounded once to x's dtype. K must be a multiple of chunk."""
+    m, k = x.shape
+    if k % chunk or w.shape[1] != k:
+        raise ValueError(f"need x [M, {w.shape[1]}] with K a multiple of {chunk}, got {tuple(x.shape)}")
+    xc = x.float().view(m, k // chunk, chunk)
+    xs = xc.abs().amax(dim=2, keepdim=True).clamp_min(1e-30) / FP8_MAX  # [M, chunks, 1]
+    q = (xc / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    wc = w.data.float().view(w.shape[0], k // chunk, chunk)
+    out = torch.zeros(m, w.shape[0], dtype=torch.float32, device=x.device)
+    for c in range(k // chunk):
+        out += (q[:, c] @ wc[:, c].T) * xs[:, c]
+    return (out * w.scale).to(x.dtype)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """x @ w.T for a plain or an FP8 weight (in PyTorch)."""
     return reference_linear(x, w) if isinstance(w, Fp8Weight) else F.linear(x, w)
@@ -89,7 +107,8 @@ def cat_weights(weights: tuple) -> torch.Tensor | Fp8Weight:
 def check_checkpoint_quantization(qc: object) -> None:
     """ValueError unless config.json's quantization_config is one this loader reads: compressed-tensors
     with FP8 (float, 8-bit) weights, a scale per channel or per tensor, and activations unquantized or
-    quantized dynamically (which is ignored: activations stay in the model's dtype)."""
+    quantized dynamically (which needs nothing: the Hopper tensor-core matmul quantizes activations itself,
+    other matmuls keep them in the model's dtype)."""
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise ValueError(
