@@ -17,7 +17,13 @@ pytest.importorskip("triton", reason="triton is not installed (the test extra in
 from ouro_fast.engine.engine import Engine, EngineConfig  # noqa: E402
 from ouro_fast.engine.sampling import SamplingParams  # noqa: E402
 from ouro_fast.kernels import silu_and_mul  # noqa: E402
-from ouro_fast.kernels.fp8 import fp8_linear, tiled_fp8_linear  # noqa: E402
+from ouro_fast.kernels.fp8 import (  # noqa: E402
+    fp8_linear,
+    quantize_rows,
+    scaled_mm_fp8_linear,
+    scaled_mm_rowwise,
+    tiled_fp8_linear,
+)
 from ouro_fast.kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear  # noqa: E402
 from ouro_fast.model.checkpoints import PRESETS  # noqa: E402
 from ouro_fast.model.ouro import OuroForCausalLM  # noqa: E402
@@ -182,6 +188,61 @@ def test_w8a8_scales_each_row_and_chunk_on_its_own():
     torch.testing.assert_close(w8a8_reference_linear(halved, w), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of 256"):
         w8a8_reference_linear(randn(2, K), weight())
+
+
+# ---- W8A8 prompt chunks: rows quantized to e4m3, then torch._scaled_mm ----
+
+
+def e4m3_rows(m, k, seed, zero_row=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, its exact e4m3 values): each row e4m3 values with largest magnitude 448, times 2^(row - 3), so
+    that quantize_rows has nothing to round (the CPU interpreter's own float8 rounding is not CUDA's)."""
+    g = torch.Generator().manual_seed(seed)
+    v = (torch.randn(m, k, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    v[torch.arange(m), torch.randint(0, k, (m,), generator=g)] = 448.0
+    if zero_row is not None:
+        v[zero_row] = 0.0
+    x = v * 2.0 ** (torch.arange(m)[:, None] - 3.0)
+    return x.to(torch.bfloat16).to(DEV), v.to(DEV)
+
+
+def test_quantize_rows_maps_each_row_s_largest_magnitude_to_448():
+    x, v = e4m3_rows(6, 320, seed=1, zero_row=4)
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1) and scale.dtype == torch.float32
+    assert torch.equal(q.float(), v)
+    want = 2.0 ** (torch.arange(6.0, device=DEV) - 3.0)
+    want[4] = 1e-30 / 448.0  # an all-zero row: zeros, and the smallest scale
+    torch.testing.assert_close(scale[:, 0], want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="rounding as CUDA rounds: on the GPU")
+def test_quantize_rows_rounds_to_nearest_on_the_gpu():
+    x = randn(64, 5632, dtype=torch.bfloat16, seed=2)
+    q, scale = quantize_rows(x)
+    xs = x.float() / scale
+    assert float(xs.abs().amax()) <= 448.0 * (1 + 1e-6)
+    assert ((q.float() - xs).abs() <= xs.abs() * 2.0**-4 + 2.0**-10).all()  # half an e4m3 step at most
+
+
+def test_scaled_mm_fp8_linear_is_w8a8_with_one_chunk_a_row():
+    w = weight(n=48, k=512)
+    x, _ = e4m3_rows(5, 512, seed=3)
+    got = scaled_mm_fp8_linear(x, w.data, w.scale)
+    want = w8a8_reference_linear(x, w, chunk=512)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 48)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=1e-6)
+
+
+def test_prompt_chunks_take_w8a8_where_the_device_multiplies_with_row_scales():
+    w = weight(n=48, k=512)
+    x = randn(40, 512, dtype=torch.bfloat16, seed=9)
+    got = fp8_linear(x, w.data, w.scale)
+    if scaled_mm_rowwise(x.device):  # Hopper
+        want = w8a8_reference_linear(x, w, chunk=512)
+        assert float((got.float() - want.float()).abs().max()) <= 0.01 * float(want.float().abs().max())
+    else:  # weight-only, the tiled kernel
+        assert torch.equal(got, tiled_fp8_linear(x, w.data, w.scale))
+    assert not scaled_mm_rowwise(torch.device("cpu"))
 
 
 # ---- the model ----

@@ -1,21 +1,27 @@
 """Matmuls with FP8 weights: float8 e4m3 [N, K] with one float32 scale per output channel.
 
-Activations stay in the model's dtype: a kernel widens each FP8 tile to that dtype as it loads it
-(exactly: every e4m3 value is a bf16, fp16 and fp32 value), multiplies with fp32 accumulation, scales
-column n by its scale and rounds once. Decode reads half the weight bytes of bf16. The quantization
-itself and the PyTorch reference of this math are model/quantization.py's.
+The Triton kernels here keep activations in the model's dtype: each widens its FP8 tiles to that dtype as
+it loads them (exactly: every e4m3 value is a bf16, fp16 and fp32 value), multiplies with fp32
+accumulation, scales column n by its scale and rounds once. Decode reads half the weight bytes of bf16.
+The quantization itself and the PyTorch references of this math are model/quantization.py's.
 
 fp8_linear is the one entry point: up to SKINNY_MAX_M rows the skinny kernel (skinny_gemm.py, with its
-scale epilogue), beyond that the tiled kernel below.
+scale epilogue). Beyond, with bf16 activations on a GPU whose torch._scaled_mm takes a scale per row
+(Hopper), where K and N are multiples of 16: W8A8, each row of x quantized to e4m3 with its own scale
+(quantize_rows, one launch), then cuBLASLt's FP8 matmul with the row and column scales (model/
+quantization.py's w8a8_reference_linear with one chunk a row). Elsewhere the tiled kernel below,
+weight-only.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import check_float, check_fp8_weight, interpreting
+from .launch import check_float, check_fp8_weight, interpreting, next_pow2
 from .rounding import round_to
 from .skinny_gemm import skinny_linear
 from .swiglu import silu_and_mul
@@ -34,7 +40,61 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, silu_mul
         return skinny_linear(x, w, out=out, silu_mul=silu_mul, row_gate=row_gate, w_scale=w_scale)
     if row_gate is not None:
         raise ValueError(f"row_gate needs at most {SKINNY_MAX_M} rows, got {x.shape[0]}")
-    return tiled_fp8_linear(silu_and_mul(x) if silu_mul else x, w, w_scale, out)
+    x = silu_and_mul(x) if silu_mul else x
+    if x.dtype == torch.bfloat16 and not (x.shape[1] % 16 or w.shape[0] % 16) and scaled_mm_rowwise(x.device):
+        y = scaled_mm_fp8_linear(x, w, w_scale)
+        return y if out is None else out.copy_(y)
+    return tiled_fp8_linear(x, w, w_scale, out)
+
+
+@functools.cache
+def scaled_mm_rowwise(device: torch.device) -> bool:
+    """Whether torch._scaled_mm multiplies FP8 matrices with a scale per row and per column here: CUDA with
+    compute capability 9.0 or newer, checked by one small call (no sync: an unsupported call raises)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    a = torch.zeros(16, 16, device=device, dtype=torch.float8_e4m3fn)
+    ones = torch.ones(16, 1, device=device, dtype=torch.float32)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t(), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def scaled_mm_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 @ (w * w_scale[:, None]).T -> [M, N] bf16, W8A8: x's rows quantized to e4m3 with a scale
+    each (quantize_rows), then torch._scaled_mm (cuBLASLt) with the row and column scales."""
+    check_fp8_weight(w, w_scale)
+    q, x_scale = quantize_rows(x)
+    return torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale[None, :], out_dtype=x.dtype)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr):
+    # One row: its largest magnitude maps to e4m3's 448.
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + r * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    tl.store(s_ptr + r, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 values [M, K], float32 scales [M, 1]) with x ~ values * scales: each row scaled so
+    that its largest magnitude is 448, rounded to nearest (an all-zero row: zeros)."""
+    check_float("x", x)
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        block = next_pow2(k)
+        _quantize_rows_kernel[(m,)](
+            x, q, scale, k, x.stride(0), BLOCK=block, num_warps=8 if block > 2048 else 4
+        )
+    return q, scale
 
 
 @triton.jit
