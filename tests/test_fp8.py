@@ -190,7 +190,7 @@ def test_w8a8_scales_each_row_and_chunk_on_its_own():
         w8a8_reference_linear(randn(2, K), weight())
 
 
-# ---- W8A8 prompt chunks: rows quantized to e4m3, then torch._scaled_mm ----
+# ---- W8A8 prompt chunks: rows quantized to e4m3, then torch.nn.functional.scaled_mm ----
 
 
 def e4m3_rows(m, k, seed, zero_row=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,11 +6,11 @@ accumulation, scales column n by its scale and rounds once. Decode reads half th
 The quantization itself and the PyTorch references of this math are model/quantization.py's.
 
 fp8_linear is the one entry point: up to SKINNY_MAX_M rows the skinny kernel (skinny_gemm.py, with its
-scale epilogue). Beyond, with bf16 activations on a GPU whose torch._scaled_mm takes a scale per row
-(Hopper), where K and N are multiples of 16: W8A8, each row of x quantized to e4m3 with its own scale
-(quantize_rows, one launch), then cuBLASLt's FP8 matmul with the row and column scales (model/
-quantization.py's w8a8_reference_linear with one chunk a row). Elsewhere the tiled kernel below,
-weight-only.
+scale epilogue). Beyond, with bf16 activations on a GPU where torch.nn.functional.scaled_mm takes a scale
+per row (Hopper, a torch that has it) and K and N are multiples of 16: W8A8, each row of x quantized to
+e4m3 with its own scale (quantize_rows, one launch), then cuBLASLt's FP8 matmul with the row and column
+scales (model/quantization.py's w8a8_reference_linear with one chunk a row). Elsewhere the tiled kernel
+below, weight-only.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -49,25 +50,36 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, silu_mul
 
 @functools.cache
 def scaled_mm_rowwise(device: torch.device) -> bool:
-    """Whether torch._scaled_mm multiplies FP8 matrices with a scale per row and per column here: CUDA with
-    compute capability 9.0 or newer, checked by one small call (no sync: an unsupported call raises)."""
+    """Whether torch multiplies FP8 matrices with a scale per row and per column here (F.scaled_mm with
+    row-wise recipes): CUDA with compute capability 9.0 or newer, checked by one small call (no sync: an
+    unsupported call raises)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    if not hasattr(F, "scaled_mm"):
         return False
     a = torch.zeros(16, 16, device=device, dtype=torch.float8_e4m3fn)
     ones = torch.ones(16, 1, device=device, dtype=torch.float32)
     try:
-        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t(), out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError):
+        _rowwise_mm(a, a, ones, ones[:, 0])
+    except (RuntimeError, NotImplementedError, ValueError):
         return False
     return True
 
 
+def _rowwise_mm(
+    q: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor:
+    # (q * x_scale) @ (w * w_scale[:, None]).T in bf16, on cuBLASLt's FP8 matmul.
+    rowwise = F.ScalingType.RowWise
+    return F.scaled_mm(q, w.t(), x_scale, rowwise, w_scale[None, :], rowwise, output_dtype=torch.bfloat16)
+
+
 def scaled_mm_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16 @ (w * w_scale[:, None]).T -> [M, N] bf16, W8A8: x's rows quantized to e4m3 with a scale
-    each (quantize_rows), then torch._scaled_mm (cuBLASLt) with the row and column scales."""
+    each (quantize_rows), then F.scaled_mm (cuBLASLt) with the row and column scales."""
     check_fp8_weight(w, w_scale)
     q, x_scale = quantize_rows(x)
-    return torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=w_scale[None, :], out_dtype=x.dtype)
+    return _rowwise_mm(q, w, x_scale, w_scale)
 
 
 @triton.jit
