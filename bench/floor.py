@@ -9,10 +9,13 @@ can carry, so it adds FLOPs, not weight bytes. A prompt's tokens found in the pr
 FLOPs (the best case: a shared prefix computed once), but their K/V is read at every step. The GPUs'
 figures are measured ones (GPUS): the H200 reads 4,221 GB/s and multiplies bf16 at 789 TFLOP/s; the
 H100 copies 3.0 TB/s (bytes read and written), taken as 2,950 GB/s read at the H200's ratio of read to
-copy, and multiplies at 798 TFLOP/s.
+copy, and multiplies at 798 TFLOP/s. With FP8 weights (`--quantization fp8`, W8A8) a weight is one byte and
+the layers' matmuls are taken at twice the bf16 rate (Hopper's e4m3 tensor-core rate; not measured here);
+the lm_head and the K/V stay bf16.
 
     python -m bench.floor                                # the serving matrix's workloads, full depth
     python -m bench.floor --depth 2.4 --gpu h100         # with early exit's mean depth, on an H100
+    python -m bench.floor --quantization fp8             # FP8 layer weights
 """
 
 from __future__ import annotations
@@ -42,7 +45,18 @@ class Shape:
     head_dim: int = 128
     vocab: int = 49152
     loops: int = 4
-    elem: int = 2  # bytes per bf16 value
+    elem: int = 2  # bytes per bf16 value (K/V, lm_head, activations)
+    fp8: bool = False  # the layer weights in FP8 (one byte each), their matmuls e4m3 x e4m3
+
+    @property
+    def weight_elem(self) -> int:
+        """Bytes per layer weight."""
+        return 1 if self.fp8 else self.elem
+
+    @property
+    def matmul_speedup(self) -> float:
+        """The layer matmuls' rate against bf16's: e4m3 tensor cores run twice as many FLOPs."""
+        return 2.0 if self.fp8 else 1.0
 
     @property
     def layer_params(self) -> int:
@@ -58,9 +72,10 @@ class Shape:
 
 def step_floor(shape: Shape, rows: int, context: float, gpu: Gpu = H200) -> float:
     """Seconds of one decode loop over `rows` one-token rows whose planes hold `context` positions."""
-    weight = shape.layer_params * shape.elem
+    weight = shape.layer_params * shape.weight_elem
     kv = rows * context * shape.kv_bytes_per_position
-    flops = 2 * rows * shape.layer_params + 4 * rows * context * shape.hidden * shape.layers
+    matmul = 2 * rows * shape.layer_params / shape.matmul_speedup  # in bf16-rate FLOPs
+    flops = matmul + 4 * rows * context * shape.hidden * shape.layers
     return max((weight + kv) / gpu.hbm_bytes_per_s, flops / gpu.matmul_flops_per_s)
 
 
@@ -73,7 +88,8 @@ def token_floor(
     lm_head = max(shape.vocab * shape.hidden * shape.elem / gpu.hbm_bytes_per_s,
                   2 * concurrency * shape.vocab * shape.hidden / gpu.matmul_flops_per_s)  # fmt: skip
     computed = prompt - cached
-    prefill = concurrency * 2 * computed * shape.loops * shape.layer_params / output / gpu.matmul_flops_per_s
+    prefill_flops = concurrency * 2 * computed * shape.loops * shape.layer_params / shape.matmul_speedup
+    prefill = prefill_flops / output / gpu.matmul_flops_per_s
     return depth * step_floor(shape, concurrency, context, gpu) + lm_head + prefill
 
 
@@ -90,9 +106,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--depth", type=float, default=4.0, help="mean loops a generated token runs")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h200")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the layer weights")
     args = p.parse_args()
-    shape, gpu = Shape(), GPUS[args.gpu]
-    print(f"one loop's weights {shape.layer_params * shape.elem / 1e9:.2f} GB; depth {args.depth}")
+    shape, gpu = Shape(fp8=args.quantization == "fp8"), GPUS[args.gpu]
+    print(f"one loop's weights {shape.layer_params * shape.weight_elem / 1e9:.2f} GB; depth {args.depth}")
     print("| workload | step floor | ms per token round | floor tok/s |")
     print("|---|---|---|---|")
     for w in ALL_WORKLOADS:

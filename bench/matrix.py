@@ -162,7 +162,8 @@ def report(a: argparse.Namespace) -> None:
     shape, gpu = Shape(), GPUS[a.gpu]
     lines = [
         f"Machine: {a.machine}. Client: vllm bench serve, random dataset, seed 0, --ignore-eos; ratios "
-        f"are to `{a.baseline}` measured in the same run. Floor: bench/floor.py at each label's mean depth.",
+        f"are to `{a.baseline}` measured in the same run. Floor: bench/floor.py at each label's mean depth "
+        "(FP8 weights for labels with -fp8).",
         "",
         "| workload | server | out tok/s | ratio | TTFT p50 | queue / prefill mean | TPOT p50 | TPOT p99 "
         "| of floor | failed |",
@@ -177,9 +178,11 @@ def report(a: argparse.Namespace) -> None:
             tput = r.get("output_throughput") or 0.0
             ratio = f"{tput / base:.2f}" if base else "-"
             depth = float(depths.get(label, shape.loops))
+            # Labels of FP8 runs (bench/gpu/matrix.sh's QUANTIZATION) take the FP8 weights' floor.
+            weights = Shape(fp8=label.endswith("-fp8") or "-fp8-" in label)
             # A shared prefix's floor takes it as computed once: every prompt reads its K/V, none computes it.
             prompt = w.prefix_len + w.input_len
-            floor = floor_tok_s(shape, w.concurrency, prompt, w.output_len, depth, gpu, cached=w.prefix_len)
+            floor = floor_tok_s(weights, w.concurrency, prompt, w.output_len, depth, gpu, cached=w.prefix_len)
             of_floor = f"{tput / floor:.0%}"
             split = (
                 f"{r['mean_queue_ms']:.1f} / {r['mean_prefill_ms']:.1f} ms"

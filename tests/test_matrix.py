@@ -98,8 +98,20 @@ def test_prefix_workloads_share_a_prefix_and_warm_up_apart(monkeypatch, tmp_path
     assert "| 900 | 1.00 |" in row and f"| {900 / floor:.0%} |" in row
 
 
+def test_fp8_weights_halve_the_weight_bytes_and_double_the_matmul_rate():
+    bf16, fp8 = Shape(), Shape(fp8=True)
+    assert fp8.layer_params * fp8.weight_elem * 2 == bf16.layer_params * bf16.weight_elem
+    assert fp8.kv_bytes_per_position == bf16.kv_bytes_per_position  # the K/V stays bf16
+    # One row is bound by the weight stream: half the bytes, half the step.
+    assert step_floor(fp8, 1, 160) == pytest.approx(step_floor(bf16, 1, 160) / 2, rel=0.02)
+    # A wide batch is bound by arithmetic: e4m3 runs twice as many FLOPs a second.
+    wide = 4096
+    assert step_floor(fp8, wide, 0) == pytest.approx(step_floor(bf16, wide, 0) / 2)
+    assert token_floor(fp8, 1, 128, 64, 4.0) < 0.6 * token_floor(bf16, 1, 128, 64, 4.0)
+
+
 def test_report_takes_ratios_against_the_baseline_and_fractions_of_the_floor(tmp_path, monkeypatch):
-    for label, tput in (("vllm-full", 1000.0), ("ouro-full", 1500.0)):
+    for label, tput in (("vllm-full", 1000.0), ("ouro-full", 1500.0), ("ouro-full-fp8", 1800.0)):
         (tmp_path / f"{label}.c8-128-64.json").write_text(
             json.dumps(
                 {
@@ -117,12 +129,14 @@ def test_report_takes_ratios_against_the_baseline_and_fractions_of_the_floor(tmp
     monkeypatch.setattr(sys, "argv", ["matrix", "report", str(tmp_path)])
     matrix.main()
     rows = [r for r in (tmp_path / "summary.md").read_text().splitlines() if r.startswith("| c8-128-64")]
-    assert len(rows) == 2
-    ouro = next(r for r in rows if "ouro-full" in r)
+    assert len(rows) == 3
+    ouro = next(r for r in rows if "ouro-full |" in r)
     assert "| 1,500 | 1.50 | 20.0 ms | 1.2 / 9.5 ms |" in ouro
     assert "| 20.0 ms | - |" in next(r for r in rows if "vllm-full" in r)
     floor = floor_tok_s(Shape(), 8, 128, 64, 4.0)
     assert f"{1500 / floor:.0%}" in ouro
+    fp8 = next(r for r in rows if "ouro-full-fp8" in r)
+    assert f"| {1800 / floor_tok_s(Shape(fp8=True), 8, 128, 64, 4.0):.0%} |" in fp8
 
 
 def test_phase_means_come_from_the_metrics_pages_before_and_after(monkeypatch):

@@ -12,8 +12,8 @@
 # tokenizer, so both servers get the same prompts. Raw results stay in /tmp/matrix; $OUT (default
 # bench/results/matrix-<time>) gets the summary and a tarball. Settings: WORKLOADS (a subset of
 # bench/matrix.py's names), PARTS (2: the number of bundle parts), QUANTIZATION (fp8: both servers quantize
-# their weights to FP8 at load, the labels end in -fp8, and the summary's floor column still assumes bf16
-# weights), OURO_ARGS (more `ouro-fast serve` options, e.g. "--max-num-seqs 256"), LABEL (a suffix for
+# their weights to FP8 at load, the labels end in -fp8, and the summary's floor column takes FP8 weights
+# for them), OURO_ARGS (more `ouro-fast serve` options, e.g. "--max-num-seqs 256"), LABEL (a suffix for
 # ouro_fast's labels), DEPTHS (ouro_fast's depths, default "full t05"; empty: none, and vLLM runs no matrix
 # workload either), FEATURES=1 (also, at full depth: c=8 with 5 logprobs per token and c=8 and c=32 with a
 # JSON schema on every request, ouro_fast only; the prefix workloads of bench/matrix.py on both servers),
