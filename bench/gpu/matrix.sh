@@ -77,9 +77,11 @@ case "${STAGE:?STAGE=part, ouro or vllm}" in
     pid=$!
     wait_ready http://127.0.0.1:8000 $pid 300 || { tail -40 "$RES/ouro-server.log"; exit 1; }
     for d in ${DEPTHS-full t05}; do
-      body=
-      [ "$d" = t05 ] && body='{"exit_threshold": 0.5}'
-      client --base-url http://127.0.0.1:8000 --model ouro --label "ouro-$d$SUFFIX${LABEL:-}" ${body:+--extra-body "$body"}
+      body= seed=0
+      # Prompts of their own at 0.5: the full-depth run's would be prefix-cache hits.
+      [ "$d" = t05 ] && body='{"exit_threshold": 0.5}' seed=500
+      client --base-url http://127.0.0.1:8000 --model ouro --label "ouro-$d$SUFFIX${LABEL:-}" --seed $seed \
+        ${body:+--extra-body "$body"}
     done
     [ -n "${FEATURES:-}" ] && features http://127.0.0.1:8000 ouro
     kill -INT $pid; wait $pid
