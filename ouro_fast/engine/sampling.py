@@ -126,24 +126,7 @@ class SamplingParams:
             )
 
     def exit_policy(self, num_loops: int, default_threshold: float) -> tuple[int, int, float]:
-        """(min_loops, max_loops, exit_threshold) with the model defaults filled in."""
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                ok = _is_int(value) and 0 <= value <= MAX_LOGPROBS
-                _check(ok, name, f"an integer in [0, {MAX_LOGPROBS}]", value)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(_is_real(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
-        rep = self.repetition_penalty
-        _check(_is_real(rep) and 0 < rep <= 100, "repetition_penalty", "in (0, 100]", rep)
-        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        ok = _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens
-        _check(ok, "min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
-        bias = self.logit_bias or {}
-        ok = isinstance(bias, dict) and all(_is_int(t) and t >= 0 and _is_real(v) and -100 <= v <= 100
-                                            for t, v in bias.items())  # fmt: skip
-        _check(ok, "logit_bias", "a map of token ids to numbers in [-100, 100]", self.logit_bias)
+        """(min_loops, max_loops, exit_threshold) of validated params, with the model defaults filled in."""
         lo = 1 if self.min_loops is None else self.min_loops
         hi = num_loops if self.max_loops is None else self.max_loops
         q = default_threshold if self.exit_threshold is None else self.exit_threshold
