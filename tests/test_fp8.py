@@ -230,7 +230,9 @@ def test_scaled_mm_fp8_linear_is_w8a8_with_one_chunk_a_row():
     got = scaled_mm_fp8_linear(x, w.data, w.scale)
     want = w8a8_reference_linear(x, w, chunk=512)
     assert got.dtype == torch.bfloat16 and got.shape == (5, 48)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=1e-6)
+    # cuBLASLt sums in its own order and rounds once: two bf16 steps of the largest output at most (a wrong
+    # scale or layout is off by the outputs' own size).
+    assert float((got.float() - want.float()).abs().max()) <= 2.0**-6 * float(want.float().abs().max())
 
 
 def test_prompt_chunks_take_w8a8_where_the_device_multiplies_with_row_scales():

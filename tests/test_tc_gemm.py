@@ -321,7 +321,8 @@ def test_fp8_weights_run_w8a8_as_the_reference_computes_it(n, k, m, partial):
         return y.float() if not partial else sum(y[1:], y[0].clone())
 
     got, want = run(x), w8a8_reference_linear(x, w).float()
-    assert float((got - want).abs().max()) <= 0.005 * float(want.abs().max())  # summation order, one rounding
+    # The same math in another summation order: one bf16 rounding apart at most, 2^-7 of the largest output.
+    assert float((got - want).abs().max()) <= 2.0**-7 * float(want.abs().max())
     exact = F.linear(x.float(), w.dequantize(torch.float32))  # e4m3 activations: 3 mantissa bits
     assert float((got - exact).abs().max()) <= 0.04 * float(exact.abs().max())
     assert torch.equal(run(x), got)
@@ -374,8 +375,8 @@ def test_fp8_engine_on_tensor_cores_matches_the_fp32_fp8_engine(tmp_path):
         finally:
             tc_gemm.tc_linear = real
         results.append(done)
-        v = engine.vocab_limit
-        assert calls and all(calls), "the FP8 engine never ran the tensor-core matmul with its scales"
+    assert calls and all(calls), "the FP8 engine never ran the tensor-core matmul with its scales"
+    v = engine.vocab_limit
     for i in range(len(prompts)):
         want, got = results[0][str(i)], results[1][str(i)]
         for k, (a, b) in enumerate(zip(got.logits, want.logits)):  # while the two streams agree
