@@ -100,7 +100,11 @@ case "${STAGE:?STAGE=part, ouro or vllm}" in
     [ -n "${DEPTHS-full}" ] && client --base-url http://127.0.0.1:8011 --model ouro --label "vllm-full$SUFFIX" --trust-remote-code
     [ -n "${FEATURES:-}" ] && features http://127.0.0.1:8011 vllm --trust-remote-code
     kill $pid; wait $pid
-    python3 -m bench.matrix report "$RES" --baseline "vllm-full$SUFFIX" --depth "ouro-t05$SUFFIX${LABEL:-}=2.4"
+    # The floor of the GPU this ran on (the machine may be an H100 where an H200 was asked for).
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+    case "$name" in *H100*) gpu=h100 ;; *) gpu=h200 ;; esac
+    python3 -m bench.matrix report "$RES" --baseline "vllm-full$SUFFIX" --depth "ouro-t05$SUFFIX${LABEL:-}=2.4" \
+      --gpu $gpu --machine "one $name"
     cp "$RES/summary.md" "$OUT/"
     ;;
 esac
