@@ -6,7 +6,9 @@ the matmul and attention arithmetic; a step takes at least max(bytes / bandwidth
 A generated token takes `depth` such steps (4 at full depth, ~2.4 at exit_threshold 0.5) and one lm_head
 row; its prompt's prefill (every loop, every token) is arithmetic that the decode batch's weight stream
 can carry, so it adds FLOPs, not weight bytes. A prompt's tokens found in the prefix cache add no
-FLOPs (the best case: a shared prefix computed once), but their K/V is read at every step. The GPUs'
+FLOPs (the best case: a shared prefix computed once), but their K/V is read at every step, by every row
+(`--prefix-read-once`: once a step for all rows, as a cascade attention that splits the shared prefix
+from each row's own positions would read it). The GPUs'
 figures are measured ones (GPUS): the H200 reads 4,221 GB/s and multiplies bf16 at 789 TFLOP/s; the
 H100 copies 3.0 TB/s (bytes read and written), taken as 2,950 GB/s read at the H200's ratio of read to
 copy, and multiplies at 798 TFLOP/s. With FP8 weights (`--quantization fp8`, W8A8) a weight is one byte and
@@ -16,6 +18,7 @@ the lm_head and the K/V stay bf16.
     python -m bench.floor                                # the serving matrix's workloads, full depth
     python -m bench.floor --depth 2.4 --gpu h100         # with early exit's mean depth, on an H100
     python -m bench.floor --quantization fp8             # FP8 layer weights
+    python -m bench.floor --prefix-read-once             # the shared prefix's K/V read once a step
 """
 
 from __future__ import annotations
@@ -70,34 +73,51 @@ class Shape:
         return self.layers * 2 * self.kv_heads * self.head_dim * self.elem
 
 
-def step_floor(shape: Shape, rows: int, context: float, gpu: Gpu = H200) -> float:
-    """Seconds of one decode loop over `rows` one-token rows whose planes hold `context` positions."""
+def step_floor(shape: Shape, rows: int, context: float, gpu: Gpu = H200, shared: float = 0) -> float:
+    """Seconds of one decode loop over `rows` one-token rows whose planes hold `context` positions, the
+    first `shared` of them the same for every row and read once for all."""
     weight = shape.layer_params * shape.weight_elem
-    kv = rows * context * shape.kv_bytes_per_position
+    kv = (rows * (context - shared) + shared) * shape.kv_bytes_per_position
     matmul = 2 * rows * shape.layer_params / shape.matmul_speedup  # in bf16-rate FLOPs
     flops = matmul + 4 * rows * context * shape.hidden * shape.layers
     return max((weight + kv) / gpu.hbm_bytes_per_s, flops / gpu.matmul_flops_per_s)
 
 
 def token_floor(
-    shape: Shape, concurrency: int, prompt: int, output: int, depth: float, gpu: Gpu = H200, cached: int = 0
+    shape: Shape,
+    concurrency: int,
+    prompt: int,
+    output: int,
+    depth: float,
+    gpu: Gpu = H200,
+    cached: int = 0,
+    prefix_once: bool = False,
 ) -> float:
     """Seconds per round in which each of `concurrency` requests gains one token, at steady state;
-    `cached` of the prompt's tokens come from the prefix cache."""
+    `cached` of the prompt's tokens come from the prefix cache (with prefix_once, their K/V is read once a
+    step for all rows)."""
     context = prompt + output / 2  # the mean context over a request's output
     lm_head = max(shape.vocab * shape.hidden * shape.elem / gpu.hbm_bytes_per_s,
                   2 * concurrency * shape.vocab * shape.hidden / gpu.matmul_flops_per_s)  # fmt: skip
     computed = prompt - cached
     prefill_flops = concurrency * 2 * computed * shape.loops * shape.layer_params / shape.matmul_speedup
     prefill = prefill_flops / output / gpu.matmul_flops_per_s
-    return depth * step_floor(shape, concurrency, context, gpu) + lm_head + prefill
+    shared = cached if prefix_once else 0
+    return depth * step_floor(shape, concurrency, context, gpu, shared) + lm_head + prefill
 
 
 def floor_tok_s(
-    shape: Shape, concurrency: int, prompt: int, output: int, depth: float, gpu: Gpu = H200, cached: int = 0
+    shape: Shape,
+    concurrency: int,
+    prompt: int,
+    output: int,
+    depth: float,
+    gpu: Gpu = H200,
+    cached: int = 0,
+    prefix_once: bool = False,
 ) -> float:
     """The most output tokens a second a workload can reach."""
-    return concurrency / token_floor(shape, concurrency, prompt, output, depth, gpu, cached)
+    return concurrency / token_floor(shape, concurrency, prompt, output, depth, gpu, cached, prefix_once)
 
 
 def main() -> None:
@@ -107,6 +127,7 @@ def main() -> None:
     p.add_argument("--depth", type=float, default=4.0, help="mean loops a generated token runs")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h200")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the layer weights")
+    p.add_argument("--prefix-read-once", action="store_true", help="a shared prefix's K/V read once a step")
     args = p.parse_args()
     shape, gpu = Shape(fp8=args.quantization == "fp8"), GPUS[args.gpu]
     print(f"one loop's weights {shape.layer_params * shape.weight_elem / 1e9:.2f} GB; depth {args.depth}")
@@ -114,9 +135,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for w in ALL_WORKLOADS:
         prompt = w.prefix_len + w.input_len
-        step = step_floor(shape, w.concurrency, prompt + w.output_len / 2, gpu)
-        rnd = token_floor(shape, w.concurrency, prompt, w.output_len, args.depth, gpu, w.prefix_len)
-        tok_s = floor_tok_s(shape, w.concurrency, prompt, w.output_len, args.depth, gpu, w.prefix_len)
+        once = args.prefix_read_once
+        step = step_floor(shape, w.concurrency, prompt + w.output_len / 2, gpu, w.prefix_len if once else 0)
+        rnd = token_floor(shape, w.concurrency, prompt, w.output_len, args.depth, gpu, w.prefix_len, once)
+        tok_s = floor_tok_s(shape, w.concurrency, prompt, w.output_len, args.depth, gpu, w.prefix_len, once)
         print(f"| {w.name} | {step * 1e3:.3f} ms | {rnd * 1e3:.3f} | {tok_s:,.0f} |")
 
 

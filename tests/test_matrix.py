@@ -8,7 +8,7 @@ from argparse import ArgumentParser
 import pytest
 
 from bench import matrix
-from bench.floor import Shape, floor_tok_s, step_floor, token_floor
+from bench.floor import H200, Shape, floor_tok_s, step_floor, token_floor
 
 
 def test_floor_model_matches_the_h200_arithmetic():
@@ -96,6 +96,17 @@ def test_prefix_workloads_share_a_prefix_and_warm_up_apart(monkeypatch, tmp_path
     # The floor takes the shared prefix as computed once; its K/V is still read at every step.
     floor = floor_tok_s(Shape(), 8, 1152, 128, 4.0, cached=1024)
     assert "| 900 | 1.00 |" in row and f"| {900 / floor:.0%} |" in row
+
+
+def test_a_prefix_read_once_a_step_counts_its_kv_bytes_once_for_all_rows():
+    s = Shape()
+    # One row reads its prefix once either way; 32 rows read 31 fewer copies of it.
+    assert step_floor(s, 1, 1216, shared=1152) == step_floor(s, 1, 1216)
+    saved = step_floor(s, 32, 1216) - step_floor(s, 32, 1216, shared=1152)
+    assert saved == pytest.approx(31 * 1152 * s.kv_bytes_per_position / H200.hbm_bytes_per_s)
+    once = floor_tok_s(s, 32, 1152, 128, 4.0, cached=1024, prefix_once=True)
+    assert once > 2 * floor_tok_s(s, 32, 1152, 128, 4.0, cached=1024)
+    assert floor_tok_s(s, 32, 1152, 128, 4.0, prefix_once=True) == floor_tok_s(s, 32, 1152, 128, 4.0)
 
 
 def test_fp8_weights_halve_the_weight_bytes_and_double_the_matmul_rate():
