@@ -90,17 +90,31 @@ def test_cors_is_off(srv):
         assert not [h for h in r.headers if h.lower().startswith("access-control-")], dict(r.headers)
 
 
-def raw_request(srv, head: bytes, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
-    """Send bytes no HTTP client would (undecodable headers, huge heads); (status, headers, body)."""
-    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
-        sock.sendall(head + b"Connection: close\r\n\r\n" + body)
-        data = b""
-        while chunk := sock.recv(1 << 16):
-            data += chunk
+def raw_request(srv, head: bytes, body: bytes = b"", tries: int = 5) -> tuple[int, dict[str, str], bytes]:
+    """Send bytes no HTTP client would (undecodable headers, huge heads); (status, headers, body).
+
+    A server that answers before reading all it was sent closes with bytes unread, so its kernel may reset
+    the connection before the answer is read here: then the request is sent again."""
+    for attempt in range(tries):
+        try:
+            data = _send_raw(srv, head + b"Connection: close\r\n\r\n" + body)
+            break
+        except (ConnectionResetError, BrokenPipeError):
+            if attempt == tries - 1:
+                raise
     head_part, _, payload = data.partition(b"\r\n\r\n")
     lines = head_part.decode("latin-1").split("\r\n")
     headers = dict(line.split(": ", 1) for line in lines[1:])
     return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, payload
+
+
+def _send_raw(srv, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    return data
 
 
 def assert_clean_raw(answer: tuple[int, dict, bytes], status: int) -> dict:
