@@ -529,3 +529,27 @@ def test_a_grammar_fill_is_waited_for_only_at_the_launch_where_its_token_may_sam
     done = run(eng, reqs)
     assert tokens(done) == tokens(host) and eng.ahead.runs == 1
     assert sum(went_on) >= 3
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5], ids=["full-depth", "early-exit"])
+def test_lanes_sharing_a_cached_prefix_read_it_once_with_the_same_tokens(model_dir, monkeypatch, threshold):
+    # Three requests hit one cached 64-position prefix and decode together in lanes: their class's prefix
+    # goes through the shared-prefix attention, once per loop plane, with the tokens and exits of lanes
+    # that read it each (cascade_attention=False).
+    from ouro_fast.engine.gpu import prefix_groups
+
+    monkeypatch.setattr(prefix_groups, "MIN_SAVED_POSITIONS", 1)
+    prefix = [(7 * i) % 250 + 3 for i in range(64)]
+    reqs = [(f"r{i}", prefix + [200 + i, 31 * i + 5], greedy(8, threshold)) for i in range(3)]
+
+    def go(cascade):
+        eng = engine(model_dir, cascade_attention=cascade)
+        run(eng, [("warm", prefix + [9], greedy(1, threshold))])  # caches the prefix's four blocks
+        done = run(eng, reqs)
+        assert all(o.cached_tokens == 64 for o in done.values())
+        return tokens(done), eng.ahead.lanes.cascade_launches
+
+    got, launches = go(True)
+    expect, none = go(False)
+    assert got == expect
+    assert launches > 0 and none == 0

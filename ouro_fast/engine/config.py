@@ -37,6 +37,8 @@ class EngineConfig:
     # Also at full depth, where it hides the host's per-step work instead of an exit read-back.
     run_ahead_full_depth: bool = True
     run_ahead_depth: int = 1  # launches queued ahead of the one whose records the host reads (1..3)
+    # Triton runner: decode lanes that share a prompt prefix (cache hits) read its K/V once a step for all.
+    cascade_attention: bool = True
     compile_threads: int | None = None  # start-up kernel compiles in parallel; None: the CPUs, at most 16
     # "fp8": the layers' linear weights in float8 e4m3, a scale per output row (model/quantization.py).
     quantization: str | None = None

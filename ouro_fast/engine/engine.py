@@ -188,7 +188,7 @@ class Engine:
         runner = GpuRunner(
             self.model, num_blocks, cfg.block_size, self.vocab_limit, self.device, cfg.max_num_seqs,
             cfg.max_num_batched_tokens, self.max_blocks_per_seq, self.max_model_len, cfg.seed,
-            cfg.keep_logits, cfg.cuda_graphs,
+            cfg.keep_logits, cfg.cuda_graphs, cfg.cascade_attention,
         )  # fmt: skip
         runner.capture(lanes=self._run_ahead_wanted(), compile_threads=cfg.compile_threads)
         return runner

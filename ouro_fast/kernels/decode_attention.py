@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cascade_attention
+from .cascade_attention import SharedPrefixes
 from .launch import (
     ArrivalCounters,
     check_float,
@@ -116,13 +118,14 @@ def _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kc
 @triton.jit
 def _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh,
                  NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    # _decode_merge_kernel for each of the GROUP heads; .cg loads read L2, never a stale L1 line.
+                 TOTAL: tl.constexpr, PRE: tl.constexpr, has_pre, INTERPRETED: tl.constexpr):  # fmt: skip
+    # _decode_merge_kernel for each of the GROUP heads (TOTAL partials, the last PRE a shared prefix's);
+    # .cg loads read L2, never a stale L1 line.
     offs_d = tl.arange(0, D_P2)
     for g in tl.static_range(GROUP):
         head = kv_head * GROUP + g
-        base = (row * NUM_HEADS + head) * NUM_SPLITS
-        out = merge_partials(acc_ptr, m_ptr, l_ptr, base, HEAD_DIM, D_P2, NUM_SPLITS, ".cg")
+        base = (row * NUM_HEADS + head) * TOTAL
+        out = merge_partials(acc_ptr, m_ptr, l_ptr, base, HEAD_DIM, D_P2, TOTAL, ".cg", PRE, has_pre)
         tl.store(
             o_ptr + tok * stride_on + head * stride_oh + offs_d,
             round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
@@ -145,6 +148,8 @@ def _fused_decode_kernel(
     q_start_ptr,
     len_ptr,
     tok_off_ptr,
+    grp_ptr,
+    glen_ptr,
     acc_ptr,
     m_ptr,
     l_ptr,
@@ -175,6 +180,7 @@ def _fused_decode_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PRE_SPLITS: tl.constexpr,
     PARTS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -182,6 +188,8 @@ def _fused_decode_kernel(
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
+    # PRE_SPLITS > 0: a row of a shared-prefix group attends from the prefix's end on, and its merge takes
+    # the PRE_SPLITS partials that cascade_attention's launch before this one wrote for the prefix.
     DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -199,7 +207,11 @@ def _fused_decode_kernel(
     if n_q == 0:
         return
     slot = tl.load(slot_ptr + tok, cache_modifier=PRE)
-    start, end = slice_bounds(q_pos, split, NUM_SPLITS, BLOCK_N)
+    pre_len = 0
+    if PRE_SPLITS > 0:
+        grp = tl.load(grp_ptr + row, cache_modifier=PRE)
+        pre_len = tl.where(grp >= 0, tl.load(glen_ptr + tl.maximum(grp, 0), cache_modifier=PRE), 0)
+    start, end = slice_bounds(q_pos, split, NUM_SPLITS, BLOCK_N, pre_len)
     cos, sin = _cos_sin(table_ptr, pos_ptr, tok, num_pos, stride_t, HEAD_DIM // 2, HEAD_DIM, D_P2, PRE)
     bt_row = bt_ptr + row * stride_bt
     k0, v0 = None, None  # without EARLY_KV, attend_slice loads the first tile itself
@@ -231,12 +243,13 @@ def _fused_decode_kernel(
     if (split == NUM_SPLITS - 1) & (slot >= 0):
         _write_kv(kc_ptr, vc_ptr, slot, kv_head, k_new, v_new, stride_kcs, stride_kch, stride_vcs, stride_vch,
                   HEAD_DIM, D_P2)  # fmt: skip
-    if NUM_SPLITS == 1:
+    TOTAL: tl.constexpr = NUM_SPLITS + PRE_SPLITS
+    if TOTAL == 1:
         store_normalised(
             o_ptr, tok, head, g_valid, stride_on, stride_oh, acc, l_i, HEAD_DIM, D_P2, INTERPRETED
         )
     else:
-        part = (row * NUM_HEADS + head) * NUM_SPLITS + split
+        part = (row * NUM_HEADS + head) * TOTAL + split
         store_partial(acc_ptr, m_ptr, l_ptr, part, g_valid, m_i, l_i, acc, start < end, HEAD_DIM, D_P2)
         # Every thread's partial is stored before the (release) arrival is counted.
         tl.debug_barrier()
@@ -244,7 +257,7 @@ def _fused_decode_kernel(
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
             _merge_group(o_ptr, acc_ptr, m_ptr, l_ptr, row, kv_head, tok, stride_on, stride_oh, NUM_HEADS,
-                         GROUP, HEAD_DIM, D_P2, NUM_SPLITS, INTERPRETED)  # fmt: skip
+                         GROUP, HEAD_DIM, D_P2, TOTAL, PRE_SPLITS, pre_len > 0, INTERPRETED)  # fmt: skip
             # Ready for the next launch: every program of this (row, KV head) has arrived. Relaxed: the
             # launch's end orders it before the next launch's arrivals, and an acq_rel exchange would first
             # wait for the merged stores above (~0.5 us on the chain).
@@ -268,6 +281,8 @@ def fused_decode_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    prefixes: SharedPrefixes | None = None,
+    prefix_config: dict | None = None,
 ) -> torch.Tensor:
     """rope_write_kv then paged_decode_attention in one launch, bit for bit; returns out [N, Hq, D].
 
@@ -285,6 +300,11 @@ def fused_decode_attention(
     row untouched. With NUM_SPLITS > 1 it uses the same fp32 scratch as
     paged_decode_attention plus per-device arrival counters (allocated on the first
     call of a shape; never during CUDA-graph capture).
+
+    prefixes (SharedPrefixes): rows of a group attend to its shared prefix through
+    cascade_attention's launch, before this one, which reads the prefix once for all of them
+    (prefix_config overrides keys of its launch config); the results then match the
+    ungrouped call's to fp32 rounding, not bit for bit.
     """
     parts, stride_p = (q.shape[0], q.stride(0)) if q.dim() == 4 else (0, 0)
     if parts:
@@ -305,19 +325,33 @@ def fused_decode_attention(
     cfg.pop("merge_warps", None)  # no merge launch
     splits = cfg["NUM_SPLITS"]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    acc, m, lsum = partials_scratch(r, hq, splits, d, q.device)
-    counters = _COUNTERS.get(q.device, r * hkv) if splits > 1 else acc
+    pre_cfg = None
+    if prefixes is not None:
+        pre_cfg = cascade_attention.prefix_config(r, block_tables.shape[1] * block_size)
+        pre_cfg.update(prefix_config or {})
+    pre_splits = pre_cfg["PRE_SPLITS"] if pre_cfg else 0
+    scratch = partials_scratch(r, hq, splits + pre_splits, d, q.device)
+    acc, m, lsum = scratch
+    counters = _COUNTERS.get(q.device, r * hkv) if splits + pre_splits > 1 else acc
     early = pdl_launch_ok(q.device, r * hkv)
+    grp, glen = (prefixes.row_group, prefixes.group_len) if prefixes is not None else (row_len, row_len)
+    if prefixes is not None:
+        _check_prefixes(prefixes, r)
+        cascade_attention.launch_prefix_partials(
+            q, k_cache, v_cache, positions, cos_sin, block_tables, row_len, row_tok_off, prefixes, scratch,
+            splits + pre_splits, block_size, scale * math.log2(math.e), parts, stride_p, pre_cfg,
+        )  # fmt: skip
     _fused_decode_kernel[(r, hkv, splits)](
         q, k, v, out, k_cache, v_cache, slot_mapping, positions, cos_sin, block_tables,
-        row_q_start, row_len, row_tok_off, acc, m, lsum, counters,
+        row_q_start, row_len, row_tok_off, grp, glen, acc, m, lsum, counters,
         cos_sin.shape[0], scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         cos_sin.stride(0), block_tables.stride(0), stride_p,
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
-        D_P2=next_pow2(d), PAGE=block_size, PARTS=parts, INTERPRETED=interpreting(), **cfg,
+        D_P2=next_pow2(d), PAGE=block_size, PRE_SPLITS=pre_splits, PARTS=parts, INTERPRETED=interpreting(),
+        **cfg,
         USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early, **maxnreg(r),
     )  # fmt: skip
     return out
@@ -328,6 +362,14 @@ def _check_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError("partial q, k and v must each be float32 [S, N, H, D]")
     if not (q.shape[0] == k.shape[0] == v.shape[0] and q.stride(0) == k.stride(0) == v.stride(0)):
         raise ValueError("partial q, k and v must be views of one partial output (one slot count and stride)")
+
+
+def _check_prefixes(prefixes: SharedPrefixes, rows: int) -> None:
+    grp, glen = prefixes.row_group, prefixes.group_len
+    if grp.dtype != torch.int32 or glen.dtype != torch.int32 or grp.dim() != 1 or glen.dim() != 1:
+        raise ValueError("row_group and group_len must be int32 vectors")
+    if grp.shape[0] < rows or glen.shape[0] < 1:
+        raise ValueError(f"row_group must cover the {rows} rows and group_len at least one group")
 
 
 def _typed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

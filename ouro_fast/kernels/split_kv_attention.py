@@ -38,12 +38,13 @@ from .tuning import (
 
 
 @triton.jit
-def slice_bounds(q_pos, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Context positions [start, end) of slice `split` for a query at q_pos (empty when start >= end)."""
+def slice_bounds(q_pos, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, base=0):
+    """Context positions [start, end) of slice `split` of [base, q_pos] for a query at q_pos (empty when
+    start >= end); base > 0 where a shared prefix before it is attended apart (cascade_attention.py)."""
     kv_len = q_pos + 1
     # Slices of whole BLOCK_N tiles: only the last tile of a row is partly masked.
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(kv_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = base + split * split_len
     return start, tl.minimum(start + split_len, kv_len)
 
 
@@ -151,9 +152,12 @@ def store_partial(acc_ptr, m_ptr, l_ptr, part, g_valid, m_i, l_i, acc, nonempty,
 
 @triton.jit
 def merge_partials(acc_ptr, m_ptr, l_ptr, base, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+                   NUM_SPLITS: tl.constexpr, CACHE: tl.constexpr, PRE: tl.constexpr = 0,
+                   has_pre=False):  # fmt: skip
     """One head's fp32 output [D_P2] from its NUM_SPLITS partials at scratch index `base` on.
 
+    The last PRE of them are a shared prefix's (cascade_attention.py), read only where has_pre (else
+    never written: taken as empty).
     Sums split by split in split order: elementwise adds only, so the result's bits depend
     on no register layout (the merge kernel and the fused decode's merge, at different
     num_warps, agree bit for bit). Every load is independent of the others (one round trip).
@@ -162,11 +166,16 @@ def merge_partials(acc_ptr, m_ptr, l_ptr, base, HEAD_DIM: tl.constexpr, D_P2: tl
     d_valid = offs_d < HEAD_DIM
     m_max = tl.load(m_ptr + base, cache_modifier=CACHE)
     for s in tl.static_range(1, NUM_SPLITS):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + base + s, cache_modifier=CACHE))
+        m_s = tl.load(m_ptr + base + s, cache_modifier=CACHE)
+        if s >= NUM_SPLITS - PRE:
+            m_s = tl.where(has_pre, m_s, -1.0e30)
+        m_max = tl.maximum(m_max, m_s)
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([D_P2], tl.float32)
     for s in tl.static_range(NUM_SPLITS):
         l_s = tl.load(l_ptr + base + s, cache_modifier=CACHE)
+        if s >= NUM_SPLITS - PRE:
+            l_s = tl.where(has_pre, l_s, 0.0)
         acc_s = tl.load(acc_ptr + (base + s) * HEAD_DIM + offs_d, mask=d_valid, cache_modifier=CACHE)
         # An empty slice (l = 0) has weight 0 and its unwritten acc is selected away (a product
         # would keep a NaN there).

@@ -165,3 +165,11 @@ EXIT_GATE_BLOCK = 2048
 # Sampling: vocabulary entries a program scans an iteration (49,152 in 12); 8 warps from 2048 entries.
 SAMPLE_BLOCK = 4096
 SAMPLE_WIDE_BLOCK, SAMPLE_WIDE_WARPS, SAMPLE_WARPS = 2048, 8, 4
+
+# ---- shared-prefix decode attention (cascade_attention) ----
+
+# 64-key tiles and up to 64 rows a program as tl.dot's M, on four warps; a prefix in at most 8 slices.
+CASCADE_BLOCK_N = 64
+CASCADE_ROWS = 64
+CASCADE_SPLITS = 8
+CASCADE_WARPS = 4

@@ -26,6 +26,7 @@ from ..kernels import (
     rope_cos_sin_table,
     rope_write_kv,
 )
+from ..kernels.cascade_attention import SharedPrefixes
 
 
 @dataclass
@@ -40,6 +41,8 @@ class TritonBatch:
     row_q_start, row_len, row_tok_off [R] int32: row r is tokens tok_off .. tok_off+len-1
     of the call at positions q_start ..; len 0 marks a padding row.
     max_q_len: a fixed bound on row_len (1 for decode-only calls); it shapes the grid.
+    prefixes: decode-only calls on a backend that applies RoPE: rows grouped by a shared prefix, read
+    once for each group (kernels/cascade_attention.py); None: every row reads its whole context.
     """
 
     slot_mapping: torch.Tensor
@@ -49,6 +52,7 @@ class TritonBatch:
     row_len: torch.Tensor
     row_tok_off: torch.Tensor
     max_q_len: int
+    prefixes: SharedPrefixes | None = None
 
     @classmethod
     def from_schedule(cls, sched, tables: np.ndarray, device, max_q_len: int | None = None) -> TritonBatch:
@@ -115,7 +119,7 @@ class TritonPagedAttention:
         if self.takes_partials():
             # Decode-only call: one launch instead of three (each launch costs ~2-3 us of latency).
             return fused_decode_attention(
-                q, k, v, kc, vc, b.slot_mapping, b.positions, self.cos_sin, *meta, scale
+                q, k, v, kc, vc, b.slot_mapping, b.positions, self.cos_sin, *meta, scale, prefixes=b.prefixes
             )
         positions = b.positions if self.applies_rope else None
         # Rotating in place is safe: q is a fresh projection output owned by this call.

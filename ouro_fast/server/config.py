@@ -49,6 +49,7 @@ class ServerConfig:
     run_ahead: bool = True  # triton runner: decode-only batches launch before their exits are read
     run_ahead_full_depth: bool = True  # ... also when no row can exit early (hides host work per step)
     run_ahead_depth: int = 1  # launches queued ahead of the one the host reads back (1..3)
+    cascade_attention: bool = True  # decode lanes sharing a prompt prefix read its K/V once a step
     cpu_threads: int | None = 1  # torch threads on a CPU device (0: torch's default); 1 leaves a core to HTTP
     compile_threads: int | None = None  # start-up kernel compiles in parallel (None: the CPUs, at most 16)
     chat_template: str | None = None  # a chat template file, or the template text; default: the checkpoint's
@@ -110,7 +111,8 @@ class ServerConfig:
             "model", "dtype", "quantization", "device", "max_num_seqs", "max_num_batched_tokens",
             "max_waiting", "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
             "cuda_graphs", "enable_prefix_caching", "refill", "run_ahead", "run_ahead_full_depth",
-            "run_ahead_depth", "compile_threads", "cpu_threads", "test_faults", "queue_timeout",
+            "run_ahead_depth", "cascade_attention", "compile_threads", "cpu_threads", "test_faults",
+            "queue_timeout",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
@@ -239,6 +241,7 @@ OPTION_HELP = {
     "run_ahead": "let the device drive decode-only batches ahead of the host (triton runner)",
     "run_ahead_full_depth": "run ahead also when no row can exit early",
     "run_ahead_depth": "launches queued ahead of the one the host reads back (1..3)",
+    "cascade_attention": "decode lanes that share a prompt prefix read its K/V once a step (triton runner)",
     "cpu_threads": "torch threads on a CPU device (0: torch's default); 1 leaves a core to HTTP",
     "compile_threads": "threads compiling kernels at start-up (default: the CPUs, at most 16)",
     "chat_template": "a chat template file, or the Jinja template itself (default: the checkpoint's)",

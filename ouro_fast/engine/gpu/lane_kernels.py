@@ -42,8 +42,8 @@ def _lane_head(r, active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tables_ptr
 def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, launches_ptr,
                      tables_ptr, stride_ts, stride_tl, h_lane_ptr, embed_ptr, stride_hl, stride_e,
                      h_out_ptr, bt_out_ptr, slot_out_ptr, qstart_out_ptr, run_out_ptr, seed_out_ptr,
-                     MB, HIDDEN, seed_base, BS: tl.constexpr, T: tl.constexpr, BLOCK_MB: tl.constexpr,
-                     BLOCK_H: tl.constexpr):  # fmt: skip
+                     cls_ptr, grp_out_ptr, MB, HIDDEN, seed_base, BS: tl.constexpr, T: tl.constexpr,
+                     BLOCK_MB: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
     # A plain launch, done before the loop's PDL chain starts: the decode attention reads its
     # block tables and slots before its wait (kernels/decode_attention.py, EARLY_KV).
     r = tl.program_id(0)
@@ -52,6 +52,9 @@ def _prologue_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr
     tl.store(slot_out_ptr + r, slot)
     tl.store(qstart_out_ptr + r, pos.to(tl.int32))
     tl.store(run_out_ptr + r, run.to(tl.int32))
+    # The lane's shared-prefix group: its class's prefix at its loop's plane (class * T + loop), if it runs.
+    cls = tl.load(cls_ptr + r)
+    tl.store(grp_out_ptr + r, tl.where(run & (cls >= 0), cls * T + loop, -1))
     # Philox key per (launch, lane): odd multipliers below 2**63 spread the two counters apart.
     launch = tl.load(launches_ptr)
     seed = seed_base + launch * 0x2545F4914F6CDD1D + r.to(tl.int64) * 0x5851F42D4C957F2D
@@ -134,9 +137,12 @@ def _epilogue_kernel(run_ptr, slot_ptr, log_surv_ptr, exits_ptr, ids_ptr, x_ptr,
         tl.store(launches_ptr, tl.load(launches_ptr) + 1)
 
 
-def lane_prologue(lanes, kill: torch.Tensor, embed: torch.Tensor, rows: int, block_size: int):
+def lane_prologue(lanes, kill: torch.Tensor, classes: torch.Tensor, embed: torch.Tensor, rows: int,
+                  block_size: int):  # fmt: skip
     """(h_in [rows, hidden], block tables [rows, MB] int32, slot int64, q_start int32, run int32,
-    seeds int64) of lanes [0, rows) for this launch; see DecodeLanes for the fields."""
+    seeds int64, group int32) of lanes [0, rows) for this launch; see DecodeLanes for the fields. classes
+    [rows] int32: each lane's shared-prefix class (-1: none); group: class * loops + loop where the lane
+    runs in a class, else -1 (the decode attention's row_group)."""
     dev, hidden = lanes.h.device, lanes.h.shape[1]
     t, mb = lanes.tables.shape[1], lanes.tables.shape[2]
     h_in = torch.empty(rows, hidden, dtype=lanes.h.dtype, device=dev)
@@ -145,13 +151,14 @@ def lane_prologue(lanes, kill: torch.Tensor, embed: torch.Tensor, rows: int, blo
     q_start = torch.empty(rows, dtype=torch.int32, device=dev)
     run = torch.empty(rows, dtype=torch.int32, device=dev)
     seeds = torch.empty(rows, dtype=torch.int64, device=dev)
+    group = torch.empty(rows, dtype=torch.int32, device=dev)
     _prologue_kernel[(rows,)](
         lanes.active, kill, lanes.loop, lanes.pos, lanes.kvrow, lanes.tok, lanes.launches,
         lanes.tables, lanes.tables.stride(0), lanes.tables.stride(1), lanes.h, embed, lanes.h.stride(0),
-        embed.stride(0), h_in, bt, slot, q_start, run, seeds, mb, hidden, lanes.seed,
+        embed.stride(0), h_in, bt, slot, q_start, run, seeds, classes, group, mb, hidden, lanes.seed,
         BS=block_size, T=t, BLOCK_MB=min(1024, next_pow2(mb)), BLOCK_H=min(1024, next_pow2(hidden)),
     )  # fmt: skip
-    return h_in, bt, slot, q_start, run, seeds
+    return h_in, bt, slot, q_start, run, seeds, group
 
 
 def lane_exits(lanes, run, x, gate, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,10 @@ A free lane can also carry a newcomer's prompt (a rider, riders.py): while
 the prompt runs its loops the launch is the runner's step graph over the lanes'
 tokens and the prompt's, and after the prompt's last loop the lane decodes the
 first token. The rider's record has the prompt row's loop, exit and first token.
+
+Lanes whose requests share a prompt prefix (prefix-cache hits) form classes (prefix_groups.py, from the
+host with the launch's inputs); launches with a class run graphs whose decode attention reads each class's
+prefix once per loop plane for all its lanes (kernels/cascade_attention.py), the others graphs without.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import numpy as np
 import torch
 
 from ...kernels import propagate_kv
+from ...kernels.cascade_attention import SharedPrefixes
 from ...kernels.sample import mask_tokens_, sample_gumbel
 from ...kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear
 from ...model.triton_attention import TritonBatch
@@ -53,6 +58,7 @@ from .lane_kernels import (
     publish_records,
     rider_epilogue,
 )
+from .prefix_groups import MAX_CLASSES
 from .shapes import pow2
 from .staging import StagingBuffers
 
@@ -68,7 +74,8 @@ def filters(params) -> bool:
 class DecodeLanes:
     """Device state and launches of the lanes of one GpuRunner (same model, cache and graph pool)."""
 
-    def __init__(self, runner, num_slots: int, num_loops: int, max_blocks: int, seed: int = 0):
+    def __init__(self, runner, num_slots: int, num_loops: int, max_blocks: int, seed: int = 0,
+                 cascade: bool = True):  # fmt: skip
         # A weak reference (the runner owns the lanes): no cycle keeping the KV pool alive.
         self.runner, self.model, self.attn = weakref.proxy(runner), runner.model, runner.attn
         self.device, self.block_size, self.num_loops = runner.device, runner.block_size, num_loops
@@ -102,10 +109,19 @@ class DecodeLanes:
         self.gmask = torch.full((r, self.words), -1, **i32)
         self.mask_in = StagingBuffers({"lanes": (r,), "gm": (r, self.words)}, torch.int32, dev)
         self.prop_src, self.prop_dst = (torch.full(((num_loops - 1) * r,), -1, **i64) for _ in range(2))
-        # Per launch from the host: the kill mask, the riders' lanes, and block-table rows that changed.
-        layout = {"kill": (r,), "riders": (r,), "rows": (r,), "tab": (r, num_loops * max_blocks)}
+        # Per launch from the host: the kill mask, the riders' lanes, each lane's prefix class, each device
+        # group's prefix length (class * loops + loop), and block-table rows that changed.
+        layout = {"kill": (r,), "riders": (r,), "cls": (r,), "glen": (MAX_CLASSES * num_loops,), "rows": (r,),
+                  "tab": (r, num_loops * max_blocks)}  # fmt: skip
         self.inputs = StagingBuffers(layout, torch.int32, dev)
-        self._kill_on_device = np.full(r, -1, np.int32)  # what the last upload left there (none yet)
+        # What the last upload left on the device (none yet): the kill mask and the classes.
+        self._kill_on_device = np.full(r, -1, np.int32)
+        self._classes_on_device = (np.full(r, -2, np.int32), np.zeros(MAX_CLASSES, np.int32))
+        # Whether graphs with the shared-prefix attention exist (and launches may take them), and whether the
+        # next launches do.
+        self.cascade_ok = cascade and r >= 2
+        self.cascade = False
+        self.cascade_launches = 0  # launches that read shared prefixes once (tests, benchmarks)
         self.init = StagingBuffers(
             {"i64": (5 + MAX_STOP_IDS, r), "i32": (5, r), "f32": (4, r)}, torch.int64, dev
         )  # f32 and i32 parts travel as int64 words; i64's last row: the lane indices (seat)
@@ -126,9 +142,9 @@ class DecodeLanes:
         self.filtering = False  # the next launches apply top_k / top_p / min_p (some lane samples so)
         self.masking = False  # the next launches apply grammar bitmasks (some lane has a grammar)
         self.lp_of = [False] * RING  # per ring slot: whether its launch computed them
-        # By (lanes, log-probabilities, filtering, masking); the plain variant at start-up (capture), the
-        # others once a run needs them (prepare).
-        self.graphs: dict[tuple[int, bool, bool, bool], torch.cuda.CUDAGraph] = {}
+        # By (lanes, log-probabilities, filtering, masking, shared prefixes); the plain variant, with and
+        # without shared prefixes, at start-up (capture), the others once a run needs them (prepare).
+        self.graphs: dict[tuple[int, bool, bool, bool, bool], torch.cuda.CUDAGraph] = {}
         variants = {(lp, f, m) for lp in (False, True) for f in (False, True) for m in (False, True)}
         self.prepared = set() if runner.use_graphs else variants
         self.rows = 0
@@ -209,21 +225,30 @@ class DecodeLanes:
         self.init.upload()
         return self.init.dev
 
-    def launch_inputs(self, kill, table_rows, tables, riders=()) -> None:
-        """Stage the kill mask (lanes the host ended), the riders' lanes (in their step-row order)
-        and the block-table rows that changed. A launch with no riders, no changed rows and the kill
-        mask already on the device copies nothing: a copy between two lane graphs delays the second
-        by ~8 us on the H200."""
+    def launch_inputs(self, kill, table_rows, tables, riders=(), classes=None) -> None:
+        """Stage the kill mask (lanes the host ended), the riders' lanes (in their step-row order),
+        the lanes' prefix classes (prefix_groups.prefix_classes' pair; None: no class) and the
+        block-table rows that changed; the next launches use shared prefixes where a class has one. A
+        launch with no riders, no changed rows and the kill mask and classes already on the device
+        copies nothing: a copy between two lane graphs delays the second by ~8 us on the H200."""
         mask = np.zeros(self.max_lanes, np.int32)
         if kill is not None:
             mask[: len(kill)] = kill
+        cls = np.full(self.max_lanes, -1, np.int32)
+        lens = np.zeros(MAX_CLASSES, np.int32)
+        if classes is not None and self.cascade_ok:
+            cls[: len(classes[0])], lens[:] = classes
+        self.cascade = bool(lens.any())
         k = len(table_rows)
-        if not k and not len(riders) and np.array_equal(mask, self._kill_on_device):
+        same_classes = all(np.array_equal(x, y) for x, y in zip((cls, lens), self._classes_on_device))
+        if not k and not len(riders) and np.array_equal(mask, self._kill_on_device) and same_classes:
             return
-        self._kill_on_device = mask
+        self._kill_on_device, self._classes_on_device = mask, (cls, lens)
         a = self.inputs.begin()
         a["kill"][:] = mask
         a["riders"][: len(riders)] = riders
+        a["cls"][:] = cls
+        a["glen"][:] = np.repeat(lens, self.num_loops)
         a["rows"][:k] = table_rows
         if k:
             a["tab"][:k] = tables[table_rows].reshape(k, -1)
@@ -248,12 +273,13 @@ class DecodeLanes:
 
     # ---- the launch ----------------------------------------------------------------------
 
-    def variant(self) -> tuple[bool, bool, bool]:
-        return self.logprobs, self.filtering, self.masking
+    def variant(self) -> tuple[bool, bool, bool, bool]:
+        return self.logprobs, self.filtering, self.masking, self.cascade
 
     def launch(self) -> int:
         """Run one loop for every lane (a captured graph on CUDA); returns the launch's index."""
         rows = self.rows
+        self.cascade_launches += self.cascade
         g = self.graphs.get((rows, *self.variant()))
         if g is not None:
             g.replay()
@@ -355,29 +381,34 @@ class DecodeLanes:
         return not (lp or filt or gram) or (lp, filt, gram) in self.prepared
 
     def prepare(self, lp: bool, filt: bool, gram: bool) -> None:
-        """Capture the graphs of a variant (once, on first need; only while no run is active: start()
-        loads the lanes' state afterwards)."""
+        """Capture the graphs of a variant, with and without shared prefixes (once, on first need; only
+        while no run is active: start() loads the lanes' state afterwards)."""
         if not self.ready(lp, filt, gram):
             self.active.zero_()  # so that warm-up and capture write no K/V
             for b in self._lane_counts():
-                self._graph(b, lp, filt, gram)
+                for casc in self._cascades():
+                    self._graph(b, lp, filt, gram, casc)
             self.prepared.add((lp, filt, gram))
 
-    def _graph(self, rows: int, lp: bool = False, filt: bool = False, gram: bool = False) -> None:
-        if (rows, lp, filt, gram) not in self.graphs:
+    def _cascades(self) -> tuple[bool, ...]:
+        return (False, True) if self.cascade_ok else (False,)
+
+    def _graph(self, rows: int, lp: bool = False, filt: bool = False, gram: bool = False,
+               casc: bool = False) -> None:  # fmt: skip
+        if (rows, lp, filt, gram, casc) not in self.graphs:
             r = self.runner
             state = self._save()
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._step(rows, lp, filt, gram)  # compiles the kernels outside the capture
+                self._step(rows, lp, filt, gram, casc)  # compiles the kernels outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._restore(state)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=r.pool):
-                self._step(rows, lp, filt, gram)
+                self._step(rows, lp, filt, gram, casc)
             self._restore(state)
-            self.graphs[(rows, lp, filt, gram)] = g
+            self.graphs[(rows, lp, filt, gram, casc)] = g
 
     def _save(self):
         # Warm-up and capture run the step for real: keep the lane state as it was.
@@ -401,7 +432,8 @@ class DecodeLanes:
         if self.runner.use_graphs:
             self.active.zero_()  # so that warm-up and capture write no K/V
             for b in self._lane_counts():
-                self._graph(b)
+                for casc in self._cascades():
+                    self._graph(b, casc=casc)
             self._compile_rider_kernels()
 
     @torch.inference_mode()
@@ -411,7 +443,8 @@ class DecodeLanes:
         state = self._save()
         self.active.zero_()
         for b in self._lane_counts():
-            self._step(b)
+            for casc in self._cascades():
+                self._step(b, casc=casc)
         self._compile_rider_kernels()
         self._restore(state)
 
@@ -426,14 +459,18 @@ class DecodeLanes:
         rider_epilogue(self, self.runner, one, exits, ids, rows)
         self.ploop.fill_(-1)
 
-    def _step(self, rows: int, lp: bool = False, filt: bool = False, gram: bool = False) -> None:
+    def _step(self, rows: int, lp: bool = False, filt: bool = False, gram: bool = False,
+              casc: bool = False) -> None:  # fmt: skip
         """One loop for lanes [0, rows), with the samples' log-probabilities if lp, the lanes' top_k,
-        top_p and min_p if filt and their grammar bitmasks if gram: graph-capturable (fixed shapes, no host
-        reads)."""
-        bs, kill = self.block_size, self.inputs.dev["kill"][:rows]
+        top_p and min_p if filt, their grammar bitmasks if gram and their classes' shared prefixes read once
+        if casc: graph-capturable (fixed shapes, no host reads)."""
+        bs, d = self.block_size, self.inputs.dev
         embed = self.model.model.embed_tokens.weight
-        h, tables, slot, q_start, run, seeds = lane_prologue(self, kill, embed, rows, bs)
-        self.attn.batch = TritonBatch(slot, self.pos[:rows], tables, q_start, run, self.tok_off[:rows], 1)
+        h, tables, slot, q_start, run, seeds, group = lane_prologue(self, d["kill"][:rows], d["cls"][:rows],
+                                                                    embed, rows, bs)  # fmt: skip
+        prefixes = SharedPrefixes(group, d["glen"]) if casc else None
+        self.attn.batch = TritonBatch(slot, self.pos[:rows], tables, q_start, run, self.tok_off[:rows], 1,
+                                      prefixes)  # fmt: skip
         x = run_loop_fused(self.model, h, self.attn)
         # The host-driven step's log-survival kernel code, so exits match it bit for bit.
         log_surv, exits = lane_exits(self, run, x, self.model.model.early_exit_gate, rows)

@@ -40,6 +40,7 @@ import torch
 from ..plan import StepPlan, StepResult, TokenLogprobs
 from ..scheduler import RUNNING, Scheduler
 from .lanes import MAX_STOP_IDS, RING, filters
+from .prefix_groups import MAX_CLASSES, prefix_classes
 from .riders import Seating, rider_rows
 from .runner import GpuRunner
 
@@ -96,6 +97,7 @@ class RunAhead(Seating):
         self.hand_backs = 0  # runs ended by a newcomer that could not ride
         self.catch_ups = 0  # arrivals that made the host replay every launch in flight first
         self.exit_launches = 0  # replayed launches where a row exited: those that streamed the lm_head
+        self._classes_key, self._classes_now = b"", None  # the lanes' prefix classes, and what they are of
 
     # ---- entering -----------------------------------------------------------------------
 
@@ -225,7 +227,7 @@ class RunAhead(Seating):
         slots = np.union1d(self._changed_slots, self._new_slots).astype(np.int64)
         self._new_slots = []
         tables = self.blocks.tables
-        self.lanes.launch_inputs(kill, slots, tables, [rd.lane for rd in rows])
+        self.lanes.launch_inputs(kill, slots, tables, [rd.lane for rd in rows], self._classes(live))
         self._masks()
         self.lanes.logprobs, self.lanes.filtering, self.lanes.masking = self._variant()
         if rows:
@@ -236,6 +238,27 @@ class RunAhead(Seating):
         self.total_launches += 1
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _classes(self, live: np.ndarray):
+        """The live lanes' shared-prefix classes (prefix_groups.prefix_classes), recomputed only when the
+        lanes or their liveness changed (a class's leading blocks never change while its lanes live)."""
+        if not self.lanes.cascade_ok:
+            return None
+        key = self.lane_rids.tobytes() + live.tobytes()
+        if key != self._classes_key:
+            s, bs = self.core, self.blocks.block_size
+            idx = np.flatnonzero(live[: len(self.lane_rids)])
+            rids = [int(rid) for rid in self.lane_rids[idx]]
+            slots = np.array([s.kv_slot(rid) for rid in rids], np.int64)
+            positions = np.array([s.num_tokens(rid) - 1 for rid in rids], np.int64)  # a bound: lanes advance
+            cls = np.full(len(self.lane_rids), -1, np.int32)
+            lens = np.zeros(MAX_CLASSES, np.int32)
+            if len(idx) >= 2:
+                cols = int(positions.max()) // bs + 1  # no prefix reaches past the furthest position
+                cls[idx], lens = prefix_classes(self.blocks.tables[slots, :, :cols], np.ones(len(idx), bool),
+                                                positions, bs)  # fmt: skip
+            self._classes_key, self._classes_now = key, (cls, lens)
+        return self._classes_now
 
     def _variant(self) -> tuple[bool, bool, bool]:
         """Whether the launches must compute log-probabilities, filter, and mask: some held lane asks."""

@@ -49,6 +49,7 @@ class GpuRunner:
         seed: int = 0,
         keep_logits: bool = False,
         use_graphs: bool = True,
+        cascade: bool = True,
     ):
         cfg = model.config
         self.model, self.cfg, self.device = model, cfg, device
@@ -78,7 +79,7 @@ class GpuRunner:
         self.prop_capacity = (n + r) * max(cfg.total_ut_steps - 1, 1)
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.lanes = DecodeLanes(self, max_rows, cfg.total_ut_steps, max_blocks_per_seq, seed)
+        self.lanes = DecodeLanes(self, max_rows, cfg.total_ut_steps, max_blocks_per_seq, seed, cascade)
 
     # ---- inputs ----------------------------------------------------------------
 
