@@ -531,11 +531,11 @@ def test_a_grammar_fill_is_waited_for_only_at_the_launch_where_its_token_may_sam
     assert sum(went_on) >= 3
 
 
-@pytest.mark.parametrize("threshold", [None, 0.5], ids=["full-depth", "early-exit"])
-def test_lanes_sharing_a_cached_prefix_read_it_once_with_the_same_tokens(model_dir, monkeypatch, threshold):
+def test_lanes_sharing_a_cached_prefix_read_it_once_with_the_same_tokens(model_dir, monkeypatch):
     # Three requests hit one cached 64-position prefix and decode together in lanes: their class's prefix
     # goes through the shared-prefix attention, once per loop plane, with the tokens and exits of lanes
-    # that read it each (cascade_attention=False).
+    # that read it each (cascade_attention=False). Some tokens exit early, others run all four loops.
+    threshold = 0.5
     from ouro_fast.engine.gpu import prefix_groups
 
     monkeypatch.setattr(prefix_groups, "MIN_SAVED_POSITIONS", 1)
