@@ -227,6 +227,23 @@ def test_each_grammar_is_compiled_once(engine):
     assert grammars.compile(StructuredOutput("regex", r"zz+")) is not first
 
 
+def test_the_compiler_is_built_while_the_engine_starts_not_by_the_first_request(monkeypatch):
+    # The engine-owner thread must not import xgrammar or preprocess the vocabulary when the first grammar
+    # arrives: every step in flight would wait for it.
+    import ouro_fast.engine.engine as engine_module
+
+    eng = Engine(num_kv_blocks=256, max_num_seqs=8)
+    compiler = eng.grammar_compiler.result(timeout=120)  # built on its own thread since start-up
+    assert eng.scheduler.sampling.grammars is None
+
+    def refuse(*args):
+        raise AssertionError("the compiler was built again on the owner thread")
+
+    monkeypatch.setattr(engine_module, "grammar_compiler", refuse)
+    done = run(eng, {"r": ([3], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "ab+")))})
+    assert re.fullmatch("ab+", done["r"][0]) and eng.scheduler.sampling.grammars.compiler is compiler
+
+
 # ---- the server ----------------------------------------------------------------------------------------
 
 

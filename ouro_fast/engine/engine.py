@@ -16,10 +16,13 @@ request alone. Either way the others go on and the engine keeps serving.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +45,7 @@ from .plan import StepPlan, StepResult, TokenEvents, TokenLogprobs
 from .reference_runner import ReferenceRunner
 from .sampling import SamplingParams
 from .scheduler import FREE, WAITING, Scheduler
-from .structured import Grammars
+from .structured import Grammars, encoded_vocab, grammar_compiler
 
 logger = logging.getLogger("ouro_fast")
 
@@ -113,6 +116,7 @@ class Engine:
         # Requests never scheduled yet, oldest first (admission is in arrival order): queue_timeout's watch.
         self.unstarted: dict[str, float] = {}
         self.stats = StepStats(num_loops=self.num_loops)
+        self.grammar_compiler = self._prepare_grammars()
         self.load_seconds = time.monotonic() - t0
         logger.info(
             "engine ready in %.2fs: %s (%s, %s%s), weights %.2f GiB, %d KV blocks of %d tokens, "
@@ -331,14 +335,39 @@ class Engine:
             self.ahead.arrive(rid)  # the device runs ahead of the scheduler: it picks the launch
         return req
 
+    def _prepare_grammars(self) -> Future | None:
+        """Start building structured output's compiler on a thread of its own (xgrammar's import and the
+        vocabulary's preprocessing take a second or more), so that the first request with a grammar does
+        not stall every step in flight. None where xgrammar is not installed. Started last: it touches no
+        GPU, and no CUDA graph is being captured by then."""
+        if importlib.util.find_spec("xgrammar") is None:
+            return None
+        stops = self.eos_ids | frozenset(self.tokenizer.end_of_turn_ids())
+        args = (encoded_vocab(self.tokenizer), self.model_config.vocab_size, stops)
+        done: Future = Future()
+
+        def build() -> None:
+            try:
+                done.set_result(grammar_compiler(*args))
+            except BaseException as e:  # handed to the first request that needs it
+                done.set_exception(e)
+
+        threading.Thread(target=build, name="ouro-grammar-prep", daemon=True).start()
+        return done
+
     def _grammars(self) -> Grammars:
-        """Structured output's state, built by the first request that asks for it (importing xgrammar takes
-        a second or more); a grammar may end at every eos and at the chat template's end of turn."""
+        """Structured output's state, on the first request that asks for it: the compiler built since the
+        engine started (waited for if still building); a grammar may end at every eos and at the chat
+        template's end of turn."""
         s = self.scheduler.sampling
         if s.grammars is None:
-            stops = self.eos_ids | frozenset(self.tokenizer.end_of_turn_ids())
             vocab, capacity = self.model_config.vocab_size, self.scheduler.capacity
-            s.grammars = Grammars.for_tokenizer(self.tokenizer, vocab, stops, capacity, self.device)
+            if self.grammar_compiler is None:  # xgrammar missing: its import raises here, to the request
+                stops = self.eos_ids | frozenset(self.tokenizer.end_of_turn_ids())
+                compiler = grammar_compiler(encoded_vocab(self.tokenizer), vocab, stops)
+            else:
+                compiler = self.grammar_compiler.result()
+            s.grammars = Grammars(compiler, vocab, capacity, self.device)
         return s.grammars
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -50,16 +50,35 @@ class StructuredOutput:
         return "root ::= " + " | ".join(json.dumps(c) for c in json.loads(self.spec))
 
 
+def encoded_vocab(tokenizer) -> list[str]:
+    """An OuroTokenizer's (byte-level BPE) tokens by id, as xgrammar reads a vocabulary."""
+    vocab = tokenizer.raw.get_vocab(with_added_tokens=True)
+    encoded = [""] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        encoded[i] = token
+    return encoded
+
+
+def grammar_compiler(encoded: list[str], vocab_size: int, stop_ids):
+    """xgrammar's compiler for a vocabulary: the slow part of Grammars (xgrammar's first import, a second
+    or more, and the vocabulary's preprocessing). CPU work only, so any thread may build it; ids beyond
+    `encoded` are never allowed."""
+    import xgrammar
+
+    byte_level, stops = xgrammar.VocabType.BYTE_LEVEL, sorted(stop_ids)
+    info = xgrammar.TokenizerInfo(encoded, byte_level, vocab_size=vocab_size, stop_token_ids=stops)
+    return xgrammar.GrammarCompiler(info, max_threads=1)
+
+
 class Grammars:
     """Compiled grammars (by spec), and the live matchers and next-token bitmask rows of requests (by rid)."""
 
-    def __init__(self, encoded_vocab: list[str], vocab_size: int, stop_ids, capacity: int, device):
-        import xgrammar  # only once a request asks for a grammar: its first import takes a second or more
+    def __init__(self, compiler, vocab_size: int, capacity: int, device):
+        """compiler: grammar_compiler's, for this vocabulary."""
+        import xgrammar  # imported already by grammar_compiler
 
         self.xgr = xgrammar
-        byte_level, stops = xgrammar.VocabType.BYTE_LEVEL, sorted(stop_ids)
-        info = xgrammar.TokenizerInfo(encoded_vocab, byte_level, vocab_size=vocab_size, stop_token_ids=stops)
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self.compiler = compiler
         self.compiled: dict[StructuredOutput, object] = {}
         self.batch = xgrammar.BatchGrammarMatcher("auto")
         self.matchers: dict[int, object] = {}
@@ -76,12 +95,9 @@ class Grammars:
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, stop_ids, capacity: int, device) -> Grammars:
-        """From an OuroTokenizer (byte-level BPE): its tokens by id; ids beyond them are never allowed."""
-        vocab = tokenizer.raw.get_vocab(with_added_tokens=True)
-        encoded = [""] * (max(vocab.values()) + 1)
-        for token, i in vocab.items():
-            encoded[i] = token
-        return cls(encoded, vocab_size, stop_ids, capacity, device)
+        """From an OuroTokenizer, building its compiler here."""
+        compiler = grammar_compiler(encoded_vocab(tokenizer), vocab_size, stop_ids)
+        return cls(compiler, vocab_size, capacity, device)
 
     def compile(self, want: StructuredOutput):
         """The compiled grammar (cached); ValueError saying what is wrong with an invalid one."""
