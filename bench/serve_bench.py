@@ -131,6 +131,8 @@ def metrics_delta(before: list, after: list) -> dict:
         "run_ahead_riders": int(round(d("ouro_fast:run_ahead_riders_total"))),
         # Of run_ahead_steps, those where a row exited (the rest skipped the lm_head).
         "run_ahead_exit_steps": int(round(d("ouro_fast:run_ahead_exit_steps_total"))),
+        "run_ahead_rider_steps": int(round(d("ouro_fast:run_ahead_rider_steps_total"))),
+        "run_ahead_shared_prefix_steps": int(round(d("ouro_fast:run_ahead_shared_prefix_steps_total"))),
         "engine_step_failures": int(round(d("ouro_fast:engine_step_failures_total"))),
         "loop_rows": labelled("ouro_fast:loop_rows_total", "loop"),
         "exit_depth_histogram": hist,

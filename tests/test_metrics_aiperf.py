@@ -86,7 +86,8 @@ def busy_metrics() -> ServerMetrics:
     m.rejected("overload")
     m.engine = EngineSnapshot(running=2, waiting=3, kv_blocks_used=40, kv_blocks_total=160, preemptions=7,
                               run_ahead_steps=11, run_ahead_runs=2, run_ahead_riders=3,
-                              run_ahead_exit_steps=5,
+                              run_ahead_exit_steps=5, run_ahead_rider_steps=4,
+                              run_ahead_shared_prefix_steps=6,
                               rows_per_loop=[9, 8, 6, 5], exit_depth=[4, 0, 3, 2], step_rows=[1] + [0] * 10,
                               rows_total=1)  # fmt: skip
     return m
@@ -150,6 +151,8 @@ def test_exits_per_loop_preemptions_and_request_token_histograms():
     assert values(text, "ouro_fast:run_ahead_runs_total") == {None: 2}
     assert values(text, "ouro_fast:run_ahead_riders_total") == {None: 3}
     assert values(text, "ouro_fast:run_ahead_exit_steps_total") == {None: 5}
+    assert values(text, "ouro_fast:run_ahead_rider_steps_total") == {None: 4}
+    assert values(text, "ouro_fast:run_ahead_shared_prefix_steps_total") == {None: 6}
     fams = strict_parse(text)
     buckets = lambda name: {float(lab["le"]): v for _, lab, v in fams[name]["samples"] if "le" in lab}
     prompt, gen = buckets("vllm:request_prompt_tokens"), buckets("vllm:request_generation_tokens")
@@ -169,7 +172,9 @@ FAMILIES = {
                      "ouro_fast:engine_steps", "ouro_fast:engine_step_failures", "ouro_fast:refills",
                      "ouro_fast:preemptions", "ouro_fast:prefill_tokens", "ouro_fast:run_ahead_steps",
                      "ouro_fast:run_ahead_runs", "ouro_fast:run_ahead_riders",
-                     "ouro_fast:run_ahead_exit_steps", "ouro_fast:owner_wakeups", "ouro_fast:output_batches",
+                     "ouro_fast:run_ahead_exit_steps", "ouro_fast:run_ahead_rider_steps",
+                     "ouro_fast:run_ahead_shared_prefix_steps", "ouro_fast:owner_wakeups",
+                     "ouro_fast:output_batches",
                      "ouro_fast:loop_rows", "ouro_fast:loop_exits",
                      "ouro_fast:connections_closed", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"),
                     "counter"),

@@ -124,6 +124,7 @@ def test_logprobs_are_computed_in_the_lanes_as_on_the_host(model_dir):
     assert [len(lp.top_ids) for lp in done["late"].request.logprobs] == [20] * 4
     assert done["1"].request.logprobs == []
     assert seen == {"late": True} and eng.ahead.total_riders == 1 and eng.ahead.hand_backs == 0
+    assert eng.ahead.rider_launches == 4  # the prompt's four loops, one a launch
 
 
 def test_top_k_top_p_and_min_p_are_applied_in_the_lanes(model_dir):

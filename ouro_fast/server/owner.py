@@ -70,6 +70,8 @@ class EngineSnapshot:
     run_ahead_runs: int = 0  # times run-ahead started
     run_ahead_riders: int = 0  # prompts that rode in run-ahead lanes (their arrival did not end the run)
     run_ahead_exit_steps: int = 0  # run-ahead steps where some row exited (they ran the lm_head)
+    run_ahead_rider_steps: int = 0  # run-ahead steps that carried riders' prompts (the step graph)
+    run_ahead_shared_prefix_steps: int = 0  # run-ahead steps that read shared prefixes once for their lanes
     rows_per_loop: list[int] = field(default_factory=list)  # rows run at loop t, summed over steps
     exit_depth: list[int] = field(default_factory=list)  # tokens by loops run (1..T)
     step_rows: list[int] = field(default_factory=list)  # steps per STEP_ROW_BUCKETS bucket (+Inf last)
@@ -367,6 +369,8 @@ class EngineOwner:
             run_ahead_steps=getattr(ahead, "total_launches", 0), run_ahead_runs=getattr(ahead, "runs", 0),
             run_ahead_riders=getattr(ahead, "total_riders", 0),
             run_ahead_exit_steps=getattr(ahead, "exit_launches", 0),
+            run_ahead_rider_steps=getattr(ahead, "rider_launches", 0),
+            run_ahead_shared_prefix_steps=getattr(getattr(ahead, "lanes", None), "cascade_launches", 0),
             rows_per_loop=list(stats.total_rows_per_loop), exit_depth=list(stats.exit_depth_histogram),
             step_rows=list(self._step_rows), rows_total=self._rows_total, wakeups=self._wakeups,
             broken=self._broken,

@@ -97,6 +97,7 @@ class RunAhead(Seating):
         self.hand_backs = 0  # runs ended by a newcomer that could not ride
         self.catch_ups = 0  # arrivals that made the host replay every launch in flight first
         self.exit_launches = 0  # replayed launches where a row exited: those that streamed the lm_head
+        self.rider_launches = 0  # launches that carried riders (the runner's step graph)
         self._classes_key, self._classes_now = b"", None  # the lanes' prefix classes, and what they are of
 
     # ---- entering -----------------------------------------------------------------------
@@ -232,6 +233,7 @@ class RunAhead(Seating):
         self.lanes.logprobs, self.lanes.filtering, self.lanes.masking = self._variant()
         if rows:
             self.lanes.launch_with_riders(rows, tables)
+            self.rider_launches += 1
         else:
             self.lanes.launch()
         self.launched += 1
