@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: pip install 'triton>=3.0')")
 
-from ouro_fast.kernels import fused_decode_attention, rope_cos_sin_table  # noqa: E402
+from ouro_fast.kernels import fused_decode_attention, paged_attention, rope_cos_sin_table  # noqa: E402
 from ouro_fast.kernels.cascade_attention import SharedPrefixes, prefix_config  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,9 +24,10 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def shared_case(groups, extras, hq, hkv, d, dtype, seed=0):
+def shared_case(groups, extras, hq, hkv, d, dtype, seed=0, lens=None):
     """Rows with shared leading blocks: groups[r] is row r's group (-1: none), extras[r] its positions past
-    the group's prefix (0: a padding row). Group g's prefix is 3 + 2g blocks, in shuffled blocks."""
+    the group's prefix (0: a padding row), lens[r] its query tokens (default 1), the last at its last
+    position. Group g's prefix is 3 + 2g blocks, in shuffled blocks."""
     prefix_blocks = {g: 3 + 2 * g for g in set(groups) if g >= 0}
     r = len(groups)
     own = [-(-e // BS) + 1 for e in extras]
@@ -35,14 +36,14 @@ def shared_case(groups, extras, hq, hkv, d, dtype, seed=0):
     shared = {g: [perm.pop() for _ in range(n)] for g, n in prefix_blocks.items()}
     mb = max(prefix_blocks.values(), default=0) + max(own)
     tables = torch.full((r, mb), -1, dtype=torch.int32)
-    q_start, lens = [], []
+    lens = [int(e > 0) * (1 if lens is None else lens[i]) for i, e in enumerate(extras)]
+    q_start = []
     for i, (g, e) in enumerate(zip(groups, extras)):
         blocks = shared.get(g, []) + [perm.pop() for _ in range(own[i])]
         tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        q_start.append(prefix_blocks.get(g, 0) * BS + max(e, 1) - 1)
-        lens.append(int(e > 0))
-    n = r + 1
-    tok_off = list(range(r))[::-1]  # tokens in reverse row order
+        q_start.append(prefix_blocks.get(g, 0) * BS + max(e, 1) - max(lens[i], 1))
+    n = sum(lens) + 1
+    tok_off = [sum(lens[i + 1 :]) for i in range(r)]  # tokens in reverse row order
     qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen(seed + 1)).to(dtype).to(DEV)
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=1)
     slots = total * BS
@@ -51,8 +52,8 @@ def shared_case(groups, extras, hq, hkv, d, dtype, seed=0):
     slot_mapping = torch.full((n,), -1, dtype=torch.int64)
     positions = torch.zeros(n, dtype=torch.int64)
     for i in range(r):
-        if lens[i]:
-            tok, pos = tok_off[i], q_start[i]
+        for j in range(lens[i]):
+            tok, pos = tok_off[i] + j, q_start[i] + j
             positions[tok] = pos
             slot_mapping[tok] = int(tables[i, pos // BS]) * BS + pos % BS
     case = dict(
@@ -160,3 +161,59 @@ def test_bad_groups_are_refused():
         run(case, None, SharedPrefixes(prefixes.row_group.long(), prefixes.group_len))
     with pytest.raises(ValueError, match="cover"):
         run(case, None, SharedPrefixes(prefixes.row_group[:1], prefixes.group_len))
+
+
+@pytest.mark.parametrize("pre_splits", [1, 4])
+@pytest.mark.parametrize("hq, hkv", [(2, 2), (4, 2)], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_token_rows_of_a_mixed_batch_read_their_group_prefix_once(dtype, hq, hkv, pre_splits):
+    # A step with prompt chunks (rows 3 and 4, three tokens each; row 4 in group 0, which a row of more
+    # than one token ignores) beside grouped one-token rows: paged_attention with the groups against
+    # paged_attention without them, on the same rotated q and cache.
+    groups, extras, lens = [0, 1, 0, -1, 0, 1], [1, 9, 30, 7, 5, 3], [1, 1, 1, 3, 3, 1]
+    case, prefixes = shared_case(groups, extras, hq, hkv, 32, dtype, seed=hq + pre_splits, lens=lens)
+    meta = {key: case[key] for key in ("block_tables", "row_q_start", "row_len", "row_tok_off")}
+    q, kc, vc = case["q"], case["k_cache"], case["v_cache"]
+    pcfg = {"PRE_SPLITS": pre_splits, "BLOCK_N": 16, "BLOCK_R": 16}
+    got = paged_attention(q, kc, vc, **meta, block_size=BS, max_q_len=4, prefixes=prefixes,
+                          prefix_config=pcfg)  # fmt: skip
+    expect = paged_attention(q, kc, vc, **meta, block_size=BS, max_q_len=4)
+    toks = torch.cat([torch.arange(o, o + n) for o, n in zip(case["row_tok_off"].tolist(), lens)])
+    torch.testing.assert_close(got[toks].float(), expect[toks].float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("path", ["decode", "mixed"])
+def test_a_member_reads_the_prefix_through_the_group_not_its_own_table(path):
+    # Rows 1 and 2 of group 0 get prefix entries of their own that point at a block of other values: with
+    # the groups their results stay those of the intact tables (the prefix came through row 0's), without
+    # them they change.
+    groups, extras = [0, 0, 0, -1], [2, 5, 9, 4]
+    lens = [1, 1, 1, 2] if path == "mixed" else None
+    case, prefixes = shared_case(groups, extras, 2, 2, 16, torch.float32, seed=21, lens=lens)
+    prefix_blocks = int(prefixes.group_len[0]) // BS
+    used = set(case["block_tables"][case["block_tables"] >= 0].tolist())
+    spare = min(set(range(case["k_cache"].shape[0] // BS)) - used)  # a block no table holds
+    poisoned = {**case, "block_tables": case["block_tables"].clone()}
+    poisoned["block_tables"][1:3, :prefix_blocks] = spare
+    for key, value in (("k_cache", 0.0), ("v_cache", 100.0)):  # keys of weight ~1, values far off
+        poisoned[key] = case[key].clone()
+        poisoned[key].view(-1, BS, *case[key].shape[1:])[spare] = value
+    pcfg = {"PRE_SPLITS": 2, "BLOCK_N": 16}
+    if path == "decode":
+        expect, _, _ = run(case, {"NUM_SPLITS": 2, "BLOCK_N": 8})
+        got, _, _ = run(poisoned, {"NUM_SPLITS": 2, "BLOCK_N": 8}, prefixes, pcfg)
+        ungrouped, _, _ = run(poisoned, {"NUM_SPLITS": 2, "BLOCK_N": 8})
+    else:
+        keys = ("block_tables", "row_q_start", "row_len", "row_tok_off")
+
+        def attend(c, **kw):
+            tensors = {k: c[k] for k in keys}
+            return paged_attention(
+                c["q"], c["k_cache"], c["v_cache"], **tensors, block_size=BS, max_q_len=2, **kw
+            )
+
+        expect, got = attend(case), attend(poisoned, prefixes=prefixes, prefix_config=pcfg)
+        ungrouped = attend(poisoned)
+    toks = case["row_tok_off"][:3].long()
+    torch.testing.assert_close(got[toks], expect[toks], **TOL[torch.float32])
+    assert all(float((ungrouped[t] - expect[t]).abs().max()) > 1.0 for t in toks[1:])

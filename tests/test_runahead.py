@@ -533,24 +533,47 @@ def test_a_grammar_fill_is_waited_for_only_at_the_launch_where_its_token_may_sam
 
 
 def test_lanes_sharing_a_cached_prefix_read_it_once_with_the_same_tokens(model_dir, monkeypatch):
-    # Three requests hit one cached 64-position prefix and decode together in lanes: their class's prefix
-    # goes through the shared-prefix attention, once per loop plane, with the tokens and exits of lanes
-    # that read it each (cascade_attention=False). Some tokens exit early, others run all four loops.
-    threshold = 0.5
+    # Three requests hit one cached 64-position prefix and decode together in lanes; a fourth hits it too
+    # and rides in mid-run. The class's prefix goes through the shared-prefix attention, once per loop
+    # plane, in the lanes' launches and in the launches that carry the rider (the step graph's attention),
+    # with the tokens and exits of lanes that read it each (cascade_attention=False). Some tokens exit
+    # early, others run all four loops.
     from ouro_fast.engine.gpu import prefix_groups
+    from ouro_fast.kernels import cascade_attention
 
     monkeypatch.setattr(prefix_groups, "MIN_SAVED_POSITIONS", 1)
+    launches = []
+    launch = cascade_attention.launch_prefix_partials
+
+    def spy(q, kc, vc, positions, cos_sin, tables, lens, tok_off, prefixes, *args):
+        grouped = prefixes.row_group[: lens.shape[0]]
+        if bool(((grouped >= 0) & (lens == 1)).any()):  # a launch where some lane has a group
+            launches.append("step graph" if cos_sin is None else "lanes")
+        return launch(q, kc, vc, positions, cos_sin, tables, lens, tok_off, prefixes, *args)
+
+    monkeypatch.setattr(cascade_attention, "launch_prefix_partials", spy)
     prefix = [(7 * i) % 250 + 3 for i in range(64)]
-    reqs = [(f"r{i}", prefix + [200 + i, 31 * i + 5], greedy(8, threshold)) for i in range(3)]
+    reqs = [(f"r{i}", prefix + [200 + i, 31 * i + 5], greedy(8)) for i in range(3)]
+    late = ("late", prefix + [77, 78, 79], greedy(5))
 
     def go(cascade):
         eng = engine(model_dir, cascade_attention=cascade)
-        run(eng, [("warm", prefix + [9], greedy(1, threshold))])  # caches the prefix's four blocks
-        done = run(eng, reqs)
-        assert all(o.cached_tokens == 64 for o in done.values())
-        return tokens(done), eng.ahead.lanes.cascade_launches
+        run(eng, [("warm", prefix + [9], greedy(1))])  # caches the prefix's four blocks
+        launches.clear()
 
-    got, launches = go(True)
-    expect, none = go(False)
+        def add_late(e):
+            if e.ahead.active and e.ahead.launched >= 3:
+                e.add_request(*late)
+                return True
+            return False
+
+        done = run(eng, reqs, hook=add_late)
+        assert all(o.cached_tokens == 64 for o in done.values())
+        assert eng.ahead.total_riders == 1
+        return tokens(done), eng.ahead.lanes.cascade_launches, set(launches)
+
+    got, lane_launches, paths = go(True)
+    expect, none, no_paths = go(False)
     assert got == expect
-    assert launches > 0 and none == 0
+    assert lane_launches > 0 and none == 0
+    assert paths == {"lanes", "step graph"} and not no_paths

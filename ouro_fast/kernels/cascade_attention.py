@@ -78,7 +78,8 @@ def _prefix_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, table_ptr, bt_ptr, len_ptr, t
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
                    PRE_SPLITS: tl.constexpr, TOTAL_SPLITS: tl.constexpr, PARTS: tl.constexpr,
-                   EXACT: tl.constexpr, INTERPRETED: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+                   ROTATED: tl.constexpr, EXACT: tl.constexpr, INTERPRETED: tl.constexpr,
+                   USE_PDL: tl.constexpr):  # fmt: skip
     # One program: one group's rows in [chunk * BLOCK_R, +BLOCK_R), one query head, one slice of the prefix.
     DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
     g = tl.program_id(0) // CHUNKS
@@ -98,8 +99,14 @@ def _prefix_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, table_ptr, bt_ptr, len_ptr, t
         return
     start, end = slice_bounds(p_len - 1, split, PRE_SPLITS, BLOCK_N)
     tok = tl.load(tok_off_ptr + rows, mask=member, other=0).to(tl.int64)
-    q = _rows_rotated(q_ptr, tok, member, head, pos_ptr, table_ptr, num_pos, stride_qn, stride_qh, stride_t,
-                      stride_p, HEAD_DIM // 2, HEAD_DIM, D_P2, DTYPE, PARTS, INTERPRETED)  # fmt: skip
+    if ROTATED:  # rope_write_kv rotated q in place already
+        offs_d = tl.arange(0, D_P2)
+        q = tl.load(q_ptr + tok[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
+                    mask=member[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+    else:
+        q = _rows_rotated(q_ptr, tok, member, head, pos_ptr, table_ptr, num_pos, stride_qn, stride_qh,
+                          stride_t, stride_p, HEAD_DIM // 2, HEAD_DIM, D_P2, DTYPE, PARTS,
+                          INTERPRETED)  # fmt: skip
     # Every member's table holds the prefix's blocks: the first member's serves them all.
     bt_row = bt_ptr + first.to(tl.int64) * stride_bt
     kv_head = head // GROUP
@@ -154,18 +161,24 @@ def launch_prefix_partials(q, kc, vc, positions, cos_sin, block_tables, row_len,
                            scratch, total_splits: int, block_size: int, scale_log2: float, parts: int,
                            stride_p: int, cfg: dict) -> None:  # fmt: skip
     """Write the prefix partials of every grouped row into `scratch` (acc, m, l as partials_scratch gives
-    them, TOTAL_SPLITS a row and head, the prefix's last). q is one token's [N, Hq, D] view (slot 0's
-    when `parts` > 0); the rest as fused_decode_attention takes them."""
+    them, TOTAL_SPLITS a row and head, the prefix's last), for the query of each row's first token. q is
+    one token's [N, Hq, D] view (slot 0's when `parts` > 0), unrotated, with positions and cos_sin as
+    fused_decode_attention takes them; or, with cos_sin None, already rotated (positions unused)."""
+    rotated = cos_sin is None
+    # Rotated: no RoPE table nor positions is read (any tensor stands in).
+    table, num_pos, stride_t = (row_len, 1, 0) if rotated else (cos_sin, cos_sin.shape[0], cos_sin.stride(0))
+    positions = row_len if rotated else positions
     r, hq, d = block_tables.shape[0], q.shape[1], q.shape[2]
     groups = prefixes.group_len.shape[0]
     chunks = triton.cdiv(r, cfg["BLOCK_R"])
     acc, m, lsum = scratch
     _prefix_kernel[(groups * chunks, hq, cfg["PRE_SPLITS"])](
-        q, kc, vc, positions, cos_sin, block_tables, row_len, row_tok_off, prefixes.row_group,
-        prefixes.group_len, acc, m, lsum, r, cos_sin.shape[0], scale_log2, q.stride(0), q.stride(1),
-        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), cos_sin.stride(0), block_tables.stride(0),
+        q, kc, vc, positions, table, block_tables, row_len, row_tok_off, prefixes.row_group,
+        prefixes.group_len, acc, m, lsum, r, num_pos, scale_log2, q.stride(0), q.stride(1),
+        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), stride_t, block_tables.stride(0),
         stride_p, NUM_HEADS=hq, GROUP=hq // kc.shape[1], HEAD_DIM=d, D_P2=next_pow2(d), PAGE=block_size,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], CHUNKS=chunks, PRE_SPLITS=cfg["PRE_SPLITS"],
-        TOTAL_SPLITS=total_splits, PARTS=parts, EXACT=kc.dtype == torch.float32, INTERPRETED=interpreting(),
+        TOTAL_SPLITS=total_splits, PARTS=parts, ROTATED=rotated, EXACT=kc.dtype == torch.float32,
+        INTERPRETED=interpreting(),
         num_warps=cfg["num_warps"], **pdl_launch(q.device),
     )  # fmt: skip

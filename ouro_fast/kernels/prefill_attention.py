@@ -3,6 +3,9 @@
 A "row" is a run of consecutive tokens of one request at one loop depth: a decode
 row has one query token, a prefill chunk many. Each row reads the K/V of ITS loop
 plane through its own block table, so rows at different depths share one launch.
+
+One-token rows of a shared-prefix group (kernels/cascade_attention.py) attend from the
+prefix's end on and merge the prefix's partial softmaxes, which the launch before wrote.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cascade_attention
 from .launch import check_float, check_paged_inputs, interpreting, next_pow2
 from .rounding import round_to
+from .split_kv_attention import partials_scratch
 from .tuning import (
     PREFILL_BLOCK_N,
     PREFILL_BLOCK_N_WIDE_HEADS,
@@ -50,6 +55,11 @@ def _paged_attention_kernel(
     q_start_ptr,
     len_ptr,
     tok_off_ptr,
+    grp_ptr,
+    glen_ptr,
+    pacc_ptr,
+    pm_ptr,
+    pl_ptr,
     scale_log2,
     stride_qn,
     stride_qh,
@@ -73,6 +83,8 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     R_P2: tl.constexpr,
+    PRE_SPLITS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # One program: one tile of BLOCK_Q query tokens of one row, one KV head with its GROUP query heads.
@@ -106,9 +118,14 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P2, D_P2], tl.float32)
 
-    # Keys this tile can see: positions 0 .. (its last valid query position).
+    # Keys this tile can see: positions 0 .. (its last valid query position); a one-token row of a
+    # shared-prefix group from the prefix's end on.
     kv_end = q0 + tl.minimum(n_q, (q_tile + 1) * BLOCK_Q)
-    for start in range(0, kv_end, BLOCK_N):
+    pre_len = 0
+    if PRE_SPLITS > 0:
+        grp = tl.load(grp_ptr + row)
+        pre_len = tl.where((grp >= 0) & (n_q == 1), tl.load(glen_ptr + tl.maximum(grp, 0)), 0)
+    for start in range(pre_len, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
         block = tl.load(bt_ptr + row * stride_bt + offs_n // PAGE, mask=n_valid, other=0)
@@ -145,12 +162,39 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if PRE_SPLITS > 0:
+        has = m_valid & (t_idx * 0 + pre_len > 0)  # a vector test: the interpreter masks with no scalar bool
+        m_i, l_i, acc = _merge_prefix(pacc_ptr, pm_ptr, pl_ptr, row, head, has, m_i, l_i, acc, NUM_HEADS,
+                                      HEAD_DIM, D_P2, PRE_SPLITS)  # fmt: skip
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
         round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
         mask=m_valid[:, None] & d_valid[None, :],
     )
+
+
+@triton.jit
+def _merge_prefix(acc_ptr, m_ptr, l_ptr, row, head, has, m_i, l_i, acc, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PRE_SPLITS: tl.constexpr):  # fmt: skip
+    # (m, l, acc) of each M lane merged with its row's and head's PRE_SPLITS prefix partials where `has`
+    # (scratch index (row * NUM_HEADS + head) * PRE_SPLITS + split); an empty partial (l = 0) weighs 0.
+    base = (row * NUM_HEADS + head).to(tl.int64) * PRE_SPLITS
+    offs_d = tl.arange(0, D_P2)
+    m_all = m_i
+    for s in tl.static_range(PRE_SPLITS):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + base + s, mask=has, other=-1.0e30))
+    alpha = tl.exp2(m_i - m_all)
+    l_i = l_i * alpha
+    acc = acc * alpha[:, None]
+    for s in tl.static_range(PRE_SPLITS):
+        l_s = tl.load(l_ptr + base + s, mask=has, other=0.0)
+        w = tl.where(l_s > 0.0, tl.exp2(tl.load(m_ptr + base + s, mask=has, other=-1.0e30) - m_all), 0.0)
+        take = (has & (l_s > 0.0))[:, None] & (offs_d < HEAD_DIM)[None, :]
+        acc_s = tl.load(acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=take, other=0.0)
+        l_i += w * l_s
+        acc += w[:, None] * acc_s
+    return m_all, l_i, acc
 
 
 def attention_config(max_q_len: int, group: int, head_dim: int) -> dict:
@@ -190,6 +234,8 @@ def paged_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    prefixes=None,
+    prefix_config: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of each row's query tokens over its own paged K/V; returns out [N, Hq, D].
 
@@ -208,6 +254,9 @@ def paged_attention(
     Softmax and both products accumulate in fp32; with fp32 inputs tl.dot runs in IEEE fp32.
     config: attention_config's dict (BLOCK_Q, BLOCK_N, USE_DOT, num_warps, optionally num_stages)
     instead of the default for these bounds (benchmarks).
+    prefixes (cascade_attention.SharedPrefixes): one-token rows of a group attend to its shared
+    prefix through cascade_attention's launch before this one, which reads the prefix once for all
+    of them (q must be rotated already); prefix_config overrides keys of that launch's config.
     """
     n, hq, d, hkv, r = check_paged_inputs(
         q, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off
@@ -225,8 +274,18 @@ def paged_attention(
     # At most cdiv(len, BLOCK_Q) tiles a row, which sum to at most N / BLOCK_Q + (rows with tokens).
     tiles = min(r * triton.cdiv(max_q_len, cfg["BLOCK_Q"]), triton.cdiv(n, cfg["BLOCK_Q"]) + min(r, n))
     grid = (tiles, hkv)
+    pre_splits, grp, glen, (pacc, pm, pl) = 0, row_len, row_len, (out, out, out)  # no prefixes: never read
+    if prefixes is not None:
+        pre_cfg = cascade_attention.prefix_config(r, block_tables.shape[1] * block_size)
+        pre_cfg.update(prefix_config or {})
+        pre_splits, grp, glen = pre_cfg["PRE_SPLITS"], prefixes.row_group, prefixes.group_len
+        pacc, pm, pl = scratch = partials_scratch(r, hq, pre_splits, d, q.device, always=True)
+        cascade_attention.launch_prefix_partials(
+            q, k_cache, v_cache, None, None, block_tables, row_len, row_tok_off, prefixes, scratch,
+            pre_splits, block_size, scale * math.log2(math.e), 0, 0, pre_cfg,
+        )  # fmt: skip
     _paged_attention_kernel[grid](
-        q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off,
+        q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off, grp, glen, pacc, pm, pl,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -234,7 +293,7 @@ def paged_attention(
         GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d, D_P2=next_pow2(d), PAGE=block_size,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=cfg["USE_DOT"] and q.dtype == torch.bfloat16 and interpreting(),
-        INTERPRETED=interpreting(), R_P2=next_pow2(r),
+        INTERPRETED=interpreting(), R_P2=next_pow2(r), PRE_SPLITS=pre_splits, NUM_HEADS=hq,
         **cfg,
     )  # fmt: skip
     return out

@@ -323,9 +323,11 @@ def launch_config(rows: int, kv_heads: int, group: int, head_dim: int, max_conte
     return cfg
 
 
-def partials_scratch(rows: int, heads: int, splits: int, head_dim: int, device) -> tuple[torch.Tensor, ...]:
-    """fp32 (acc [R, Hq, S, D], m [R, Hq, S], l [R, Hq, S]) in one allocation; a dummy when S is 1."""
-    parts = rows * heads * splits if splits > 1 else 0
+def partials_scratch(rows: int, heads: int, splits: int, head_dim: int, device,
+                     always: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """fp32 (acc [R, Hq, S, D], m [R, Hq, S], l [R, Hq, S]) in one allocation; a dummy when S is 1, unless
+    `always` (a shared prefix's partials are merged even then)."""
+    parts = rows * heads * splits if splits > 1 or always else 0
     scratch = torch.empty(max(1, parts * (head_dim + 2)), dtype=torch.float32, device=device)
     d = head_dim
     return scratch[: parts * d], scratch[parts * d : parts * (d + 1)], scratch[parts * (d + 1) :]

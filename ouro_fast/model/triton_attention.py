@@ -41,8 +41,9 @@ class TritonBatch:
     row_q_start, row_len, row_tok_off [R] int32: row r is tokens tok_off .. tok_off+len-1
     of the call at positions q_start ..; len 0 marks a padding row.
     max_q_len: a fixed bound on row_len (1 for decode-only calls); it shapes the grid.
-    prefixes: decode-only calls on a backend that applies RoPE: rows grouped by a shared prefix, read
-    once for each group (kernels/cascade_attention.py); None: every row reads its whole context.
+    prefixes: one-token rows grouped by a shared prefix, read once for each group
+    (kernels/cascade_attention.py; decode-only calls take it on a backend that applies RoPE, calls
+    with longer rows always); None: every row reads its whole context.
     """
 
     slot_mapping: torch.Tensor
@@ -127,4 +128,4 @@ class TritonPagedAttention:
         if b.max_q_len == 1:
             # Decode-only call: split the context over more programs than rows x heads.
             return paged_decode_attention(q, kc, vc, *meta, scale)
-        return paged_attention(q, kc, vc, *meta, b.max_q_len, scale)
+        return paged_attention(q, kc, vc, *meta, b.max_q_len, scale, prefixes=b.prefixes)

@@ -222,7 +222,8 @@ def _pack_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, la
                  stride_tl, h_lane_ptr, stride_hl, ids_ptr, spos_ptr, sslot_ptr, hsrc_ptr, last_ptr,
                  prev_last_ptr, store_ptr, qstart_ptr, len_ptr, tokoff_ptr, sloop_ptr, slo_ptr, shi_ptr,
                  slog1mq_ptr, bt_ptr, h_prev_ptr, stride_hp, ls_prev_ptr, run_out_ptr, slot_out_ptr,
-                 seed_out_ptr, temp_out_ptr, R, MB, HIDDEN, seed_base, BS: tl.constexpr, T: tl.constexpr,
+                 seed_out_ptr, temp_out_ptr, cls_ptr, grp_ptr, R, MB, HIDDEN, seed_base, BS: tl.constexpr,
+                 T: tl.constexpr,
                  BLOCK_MB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
     # Programs [0, R): lane r writes its row r and token r of the step's input buffers (the rows past
     # R were staged by the host). Programs R + i: rider i's row, which the host staged, loses its
@@ -257,6 +258,9 @@ def _pack_kernel(active_ptr, kill_ptr, loop_ptr, pos_ptr, kvrow_ptr, tok_ptr, la
         tl.store(ls_prev_ptr + r, tl.load(ls_ptr + r))
         tl.store(run_out_ptr + r, run.to(tl.int32))
         tl.store(slot_out_ptr + r, slot)
+        # The lane's shared-prefix group, as in the lane prologue (the riders' rows have none).
+        cls = tl.load(cls_ptr + r)
+        tl.store(grp_ptr + r, tl.where(run & (cls >= 0), cls * T + loop, -1))
         j = r
     else:
         j = tl.load(rider_ptr + p - R)
@@ -333,7 +337,8 @@ def pack_lane_step(lanes, runner, kill, riders, rows: int, block_size: int):
         lanes.tables.stride(0), lanes.tables.stride(1), lanes.h, lanes.h.stride(0), a["ids"], a["pos"],
         a["slot"], a["hsrc"], a["last"], a["prev_last"], a["store"], b["q_start"], b["len"], b["tok_off"],
         b["loop"], b["lo"], b["hi"], b["log1mq"], bt, runner.h_prev, runner.h_prev.stride(0),
-        runner.ls_prev, run, slot, seeds, temp, rows, bt.shape[1], hidden, lanes.seed,
+        runner.ls_prev, run, slot, seeds, temp, lanes.inputs.dev["cls"], b["grp"], rows, bt.shape[1], hidden,
+        lanes.seed,
         BS=block_size, T=t, BLOCK_MB=min(1024, next_pow2(mb)), BLOCK_H=min(1024, next_pow2(hidden)),
         BLOCK_T=128,
     )  # fmt: skip

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ...kernels import propagate_kv
+from ...kernels.cascade_attention import SharedPrefixes
 from ...kernels.exit_gate import gate_log_survival
 from ...kernels.precompile import precompile
 from ...model.attention import allocate_kv_cache
@@ -67,7 +68,7 @@ class GpuRunner:
         self.i64 = StagingBuffers(i64, torch.int64, device)
         self.i32 = StagingBuffers(
             {"q_start": row, "len": row, "tok_off": row, "loop": row, "lo": row, "hi": row, "log1mq": row,
-             "bt": (r, mb)}, torch.int32, device,
+             "grp": row, "bt": (r, mb)}, torch.int32, device,
         )  # fmt: skip
         self.h_prev = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         self.ls_prev = torch.zeros(n + 1, dtype=torch.float32, device=device)
@@ -80,6 +81,7 @@ class GpuRunner:
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.lanes = DecodeLanes(self, max_rows, cfg.total_ut_steps, max_blocks_per_seq, seed, cascade)
+        self.cascade = self.lanes.cascade_ok  # steps with prompt rows group the lanes' rows too
 
     # ---- inputs ----------------------------------------------------------------
 
@@ -102,6 +104,7 @@ class GpuRunner:
         b["log1mq"][:r] = plan.log1mq.view(np.int32)  # float32 bits travel in the int32 buffer
         b["bt"][r:rows], b["q_start"][r:rows], b["len"][r:rows], b["tok_off"][r:rows] = -1, 0, 0, 0
         b["loop"][r:rows], b["lo"][r:rows], b["hi"][r:rows] = 0, 127, 127
+        b["grp"][:rows] = -1  # host-driven steps: no shared-prefix groups
         self.i64.upload()
         # The block tables come last: copy only the rows in use (a full table is ~1 MB).
         self.i32.upload(self.i32.offset["bt"] + rows * b["bt"].shape[1])
@@ -120,6 +123,7 @@ class GpuRunner:
         a["last"][w], a["prev_last"][w], a["store"][w] = 0, -1, self.max_tokens
         b["bt"][w], b["q_start"][w], b["len"][w], b["tok_off"][w] = -1, 0, 0, 0
         b["loop"][w], b["lo"][w], b["hi"][w] = 0, 127, 127
+        b["grp"][w] = -1  # the lanes' groups come from pack_lane_step; riders' rows have none
         bs = self.block_size
         for i, rd in enumerate(riders):
             row, o, k = lanes + i, rd.off, len(rd.ids)
@@ -153,9 +157,14 @@ class GpuRunner:
         h = torch.where(
             (hsrc >= 0)[:, None], self.h_prev[hsrc.clamp(min=0)], self.model.embed(a["ids"][:tokens])
         )  # fmt: skip
+        # Steps with prompt rows (riders beside the lanes) read the lanes' shared prefixes once, as lane
+        # launches do; decode steps of the host path have no groups.
+        prefixes = None
+        if self.cascade and max_q_len > 1:
+            prefixes = SharedPrefixes(b["grp"][:rows], self.lanes.inputs.dev["glen"])
         self.attn.batch = TritonBatch(
             a["slot"][:tokens], a["pos"][:tokens], b["bt"][:rows], b["q_start"][:rows], b["len"][:rows],
-            b["tok_off"][:rows], max_q_len,
+            b["tok_off"][:rows], max_q_len, prefixes,
         )  # fmt: skip
         x = run_loop_fused(self.model, h, self.attn)
         last, prev = a["last"][:rows], a["prev_last"][:rows]
@@ -237,8 +246,16 @@ class GpuRunner:
             # specializes integer arguments equal to 1 or divisible by 16).
             bt = self.i32.dev["bt"][:rows]
             q = torch.zeros(tokens, cfg.num_attention_heads, cfg.head_dim, dtype=kc.dtype, device=self.device)
-            # Rows of length 0: nothing is read or written, but the launch compiles the variant.
-            paged_attention(q, kc, vc, bt, zeros, zeros, zeros, self.block_size, q_len, 1.0)
+            # Rows of length 0: nothing is read or written, but the launch compiles the variant (with the
+            # shared-prefix launch, as _forward runs it).
+            prefixes = (
+                SharedPrefixes(self.i32.dev["grp"][:rows], self.lanes.inputs.dev["glen"])
+                if self.cascade
+                else None
+            )
+            paged_attention(
+                q, kc, vc, bt, zeros, zeros, zeros, self.block_size, q_len, 1.0, prefixes=prefixes
+            )
 
     def propagate(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Last-exited propagation: copy slot src[i] to dst[i] in every layer, K and V. The pairs travel
