@@ -86,6 +86,8 @@ def _prefix_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, table_ptr, bt_ptr, len_ptr, t
     chunk = tl.program_id(0) % CHUNKS
     head = tl.program_id(1)
     split = tl.program_id(2)
+    # Every program waits, even one with nothing to do: the next kernel's wait then covers the kernels
+    # before this one too (a grid that ended before its predecessor would break the chain).
     pdl_enter(USE_PDL)
     p_len = tl.load(glen_ptr + g)
     if p_len == 0:  # an unused group
