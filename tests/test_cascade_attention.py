@@ -161,6 +161,9 @@ def test_bad_groups_are_refused():
         run(case, None, SharedPrefixes(prefixes.row_group.long(), prefixes.group_len))
     with pytest.raises(ValueError, match="cover"):
         run(case, None, SharedPrefixes(prefixes.row_group[:1], prefixes.group_len))
+    out = torch.zeros(2, *case["q"].shape, dtype=case["k_cache"].dtype, device=DEV)  # an extra dimension
+    with pytest.raises(ValueError, match="out must be"):
+        fused_decode_attention(**case, block_size=BS, out=out)
 
 
 @pytest.mark.parametrize("pre_splits", [1, 4])

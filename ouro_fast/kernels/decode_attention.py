@@ -318,6 +318,8 @@ def fused_decode_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=dt, device=q.device)
     check_float("out", out)
+    if out.shape != (n, hq, d):  # the kernel writes rows of q's shape through out's strides
+        raise ValueError(f"out must be [{n}, {hq}, {d}], got {tuple(out.shape)}")
     if r == 0 or n == 0:
         return out
     group = hq // hkv
