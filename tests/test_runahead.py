@@ -577,3 +577,32 @@ def test_lanes_sharing_a_cached_prefix_read_it_once_with_the_same_tokens(model_d
     assert got == expect
     assert lane_launches > 0 and none == 0
     assert paths == {"lanes", "step graph"} and not no_paths
+
+
+def test_a_lane_that_a_new_request_takes_leaves_its_prefix_class(model_dir, monkeypatch):
+    # Three lanes share a cached prefix; the first ends early and a request with an unrelated prompt takes
+    # a lane. It must not join the old class, whose prefix blocks are not its own: every token equals the
+    # run without shared-prefix attention.
+    from ouro_fast.engine.gpu import prefix_groups
+
+    monkeypatch.setattr(prefix_groups, "MIN_SAVED_POSITIONS", 1)
+    prefix = [(5 * i) % 240 + 4 for i in range(64)]
+    reqs = [(f"r{i}", prefix + [90 + i], greedy(3 if i == 0 else 10)) for i in range(3)]
+    other = ("x", [(11 * i) % 230 + 6 for i in range(70)], greedy(6))
+
+    def go(cascade):
+        eng = engine(model_dir, cascade_attention=cascade)
+        run(eng, [("warm", prefix + [9], greedy(1))])
+
+        def add_other(e):
+            if "r0" not in e.requests:  # r0 ended
+                e.add_request(*other)
+                return True
+            return False
+
+        done = run(eng, reqs, hook=add_other)
+        return tokens(done), eng.ahead.lanes.cascade_launches
+
+    got, launches = go(True)
+    expect, _ = go(False)
+    assert got == expect and launches > 0

@@ -224,6 +224,7 @@ class Seating:
         }  # fmt: skip
         self.lanes.seat(np.array([j], np.int64), fields)
         self.lane_rids[j], self.lane_of[rid] = rid, j
+        self.forget_classes()  # a reused rid in the same lane would look unchanged
         self.lane_early[j] = lo < hi
         self.lane_lp[j] = req.params.logprobs is not None
         self.lane_filter[j] = filters(req.params)

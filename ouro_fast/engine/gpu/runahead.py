@@ -148,6 +148,7 @@ class RunAhead(Seating):
         sp = plan.sampling
         self.lane_rids = np.full(self.lanes.max_lanes, -1, np.int64)
         self.lane_rids[:r] = rids
+        self.forget_classes()  # the same rids may hold other blocks than in the last run
         self.lane_lp[:], self.lane_filter[:], self.lane_gram[:] = False, False, False
         self.lane_lp[:r] = sp.logprobs[rids] >= 0
         self.lane_filter[:r] = [filters(self.requests[int(rid)].params) for rid in rids]
@@ -241,9 +242,14 @@ class RunAhead(Seating):
 
     # ---- internals --------------------------------------------------------------------------
 
+    def forget_classes(self) -> None:
+        """Recompute the prefix classes before the next launch (a lane got a request, or a run starts)."""
+        self._classes_key = b""
+
     def _classes(self, live: np.ndarray):
         """The live lanes' shared-prefix classes (prefix_groups.prefix_classes), recomputed only when the
-        lanes or their liveness changed (a class's leading blocks never change while its lanes live)."""
+        lanes or their liveness changed, or after forget_classes() (a class's leading blocks never change
+        while its lanes live)."""
         if not self.lanes.cascade_ok:
             return None
         key = self.lane_rids.tobytes() + live.tobytes()
