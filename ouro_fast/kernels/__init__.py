@@ -8,7 +8,8 @@ before importing triton to run them on the CPU (slowly: tests only).
 
 The decode attention is one launch (decode_attention.py); split_kv_attention.py is
 its three-launch reference with rope_kv.py, and prefill_attention.py serves prompt
-chunks. Every launch-tuning default (tiles, splits, warps, register caps, ring,
+chunks. cascade_attention.py reads a prefix that rows share once for all of them, before
+either attention. Every launch-tuning default (tiles, splits, warps, register caps, ring,
 pacing) is in tuning.py. This package imports nothing from the rest of ouro_fast.
 """
 
