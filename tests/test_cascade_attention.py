@@ -13,6 +13,8 @@ pytest.importorskip("triton", reason="triton is not installed (the `gpu` extra: 
 
 from ouro_fast.kernels import fused_decode_attention, paged_attention, rope_cos_sin_table  # noqa: E402
 from ouro_fast.kernels.cascade_attention import SharedPrefixes, prefix_config  # noqa: E402
+from ouro_fast.kernels.launch import interpreting  # noqa: E402
+from ouro_fast.kernels.tuning import CASCADE_SPLITS, INTERPRETER_MAX_SPLITS  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BS = 4
@@ -153,6 +155,8 @@ def test_prefix_config_is_a_function_of_shapes():
     assert prefix_config(1, 4096)["BLOCK_R"] == 16
     assert prefix_config(200, 4096)["BLOCK_R"] == 64
     assert prefix_config(8, 16)["PRE_SPLITS"] == 1
+    most = INTERPRETER_MAX_SPLITS if interpreting() else CASCADE_SPLITS
+    assert prefix_config(8, 4096)["PRE_SPLITS"] == most
 
 
 def test_bad_groups_are_refused():

@@ -31,7 +31,7 @@ from .launch import interpreting, next_pow2
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 from .split_kv_attention import load_kv_tile, slice_bounds
-from .tuning import CASCADE_BLOCK_N, CASCADE_ROWS, CASCADE_SPLITS, CASCADE_WARPS
+from .tuning import CASCADE_BLOCK_N, CASCADE_ROWS, CASCADE_SPLITS, CASCADE_WARPS, INTERPRETER_MAX_SPLITS
 
 
 @dataclass
@@ -152,9 +152,13 @@ def _prefix_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, table_ptr, bt_ptr, len_ptr, t
 
 
 def prefix_config(rows: int, max_context: int) -> dict:
-    """PRE_SPLITS, BLOCK_N, BLOCK_R and num_warps of a prefix launch: a pure function of fixed shapes."""
+    """PRE_SPLITS, BLOCK_N, BLOCK_R and num_warps of a prefix launch: a pure function of fixed shapes. Under
+    the CPU interpreter at most tuning.INTERPRETER_MAX_SPLITS slices (every program runs in Python there,
+    and most slices of a test's short prefix are empty)."""
     block_n = CASCADE_BLOCK_N
     splits = max(1, min(CASCADE_SPLITS, next_pow2(triton.cdiv(max_context, block_n))))
+    if interpreting():
+        splits = min(splits, INTERPRETER_MAX_SPLITS)
     return {"PRE_SPLITS": splits, "BLOCK_N": block_n, "BLOCK_R": min(CASCADE_ROWS, next_pow2(max(16, rows))),
             "num_warps": CASCADE_WARPS}  # fmt: skip
 
