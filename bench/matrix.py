@@ -84,10 +84,14 @@ def seed(w: Workload, a: argparse.Namespace, warmup: bool) -> int:
 
 
 PHASES = ("queue", "prefill")  # vLLM's request phases that TTFT is made of, besides the front end
+# ouro_fast's launch counters: how many launches a workload took, and how many carried riders or read a
+# shared prefix once for several lanes (absent from vLLM's /metrics).
+COUNTERS = ("run_ahead_steps", "run_ahead_rider_steps", "run_ahead_shared_prefix_steps")
 
 
 def phase_totals(base_url: str) -> dict[str, float]:
-    """{"queue_sum": s, "queue_count": n, ...} of the server's phase histograms ({} without them)."""
+    """{"queue_sum": s, "queue_count": n, ...} of the server's phase histograms, and its COUNTERS where it
+    has them ({} without any)."""
     try:
         with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as r:
             text = r.read().decode()
@@ -101,16 +105,24 @@ def phase_totals(base_url: str) -> dict[str, float]:
                 if line.startswith((name + "{", name + " ")):  # summed over label sets (vLLM's engines)
                     key = f"{phase}_{part}"
                     totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        for counter in COUNTERS:
+            name = f"ouro_fast:{counter}_total"
+            if line.startswith((name + "{", name + " ")):
+                totals[counter] = totals.get(counter, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
 
 
 def phase_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Mean milliseconds of each phase between two phase_totals() scrapes (only phases both have)."""
+    """Mean milliseconds of each phase between two phase_totals() scrapes (only phases both have), and the
+    COUNTERS' increments."""
     means = {}
     for phase in PHASES:
         n = after.get(f"{phase}_count", 0.0) - before.get(f"{phase}_count", 0.0)
         if n > 0 and f"{phase}_sum" in before:
             means[f"mean_{phase}_ms"] = 1e3 * (after[f"{phase}_sum"] - before[f"{phase}_sum"]) / n
+    for counter in COUNTERS:
+        if counter in after and counter in before:
+            means[counter] = int(round(after[counter] - before[counter]))
     return means
 
 

@@ -155,12 +155,17 @@ def test_phase_means_come_from_the_metrics_pages_before_and_after(monkeypatch):
         'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 1.0\n'
         'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 10.0\n'
         'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 2.0\n'
-        'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 10.0\n',
+        'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 10.0\n'
+        'ouro_fast:run_ahead_steps_total{model_name="m"} 100.0\n'
+        'ouro_fast:run_ahead_rider_steps_total{model_name="m"} 7.0\n',
         'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 1.5\n'
         'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 20.0\n'
         'vllm:request_queue_time_seconds_bucket{engine="0",le="0.1",model_name="m"} 20.0\n'
         'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 2.25\n'
-        'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 20.0\n',
+        'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 20.0\n'
+        'ouro_fast:run_ahead_steps_total{model_name="m"} 160.0\n'
+        'ouro_fast:run_ahead_rider_steps_total{model_name="m"} 19.0\n'
+        'ouro_fast:run_ahead_shared_prefix_steps_total{model_name="m"} 30.0\n',
     ])  # fmt: skip
 
     class Page:
@@ -178,9 +183,12 @@ def test_phase_means_come_from_the_metrics_pages_before_and_after(monkeypatch):
 
     monkeypatch.setattr(matrix.urllib.request, "urlopen", lambda url, timeout: Page(next(pages)))
     before, after = matrix.phase_totals("http://h:1"), matrix.phase_totals("http://h:1/")
-    assert before == {"queue_sum": 1.0, "queue_count": 10.0, "prefill_sum": 2.0, "prefill_count": 10.0}
+    assert before == {"queue_sum": 1.0, "queue_count": 10.0, "prefill_sum": 2.0, "prefill_count": 10.0,
+                      "run_ahead_steps": 100.0, "run_ahead_rider_steps": 7.0}  # fmt: skip
     means = matrix.phase_means(before, after)
-    assert means == pytest.approx({"mean_queue_ms": 50.0, "mean_prefill_ms": 25.0})
+    # A counter the page before lacked has no increment (the server was not counting it then).
+    assert means == pytest.approx({"mean_queue_ms": 50.0, "mean_prefill_ms": 25.0, "run_ahead_steps": 60,
+                                   "run_ahead_rider_steps": 12})  # fmt: skip
     assert matrix.phase_means({}, after) == {}  # a server without the histograms before: nothing
 
     def refuse(url, timeout):
