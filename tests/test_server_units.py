@@ -541,6 +541,30 @@ def test_not_ready_is_503():
     asyncio.run(scenario())
 
 
+def test_grammars_are_compiled_off_the_event_loop_and_invalid_ones_are_400s():
+    class Cache:  # the engine's GrammarCache: records the thread that compiles
+        threads = []
+
+        def compile(self, want):
+            self.threads.append(threading.current_thread().name)
+            if want == "bad":
+                raise ValueError("invalid regex: missing )")
+            if want == "no-xgrammar":
+                raise ImportError("no module named xgrammar")
+
+    async def scenario():
+        client = make_client()
+        client.grammars = Cache()
+        await client.compile_grammar("good")
+        assert Cache.threads == ["ouro-heavy-input_0"]
+        for want, says in (("bad", "missing )"), ("no-xgrammar", "xgrammar")):
+            with pytest.raises(ApiError) as e:
+                await client.compile_grammar(want)
+            assert e.value.status == 400 and says in e.value.message
+
+    asyncio.run(scenario())
+
+
 def test_error_handler_counts_refusals_before_submission_once():
     app_mod = importlib.import_module("ouro_fast.server.app")  # the module (the package exports the app)
     metrics = ServerMetrics("m")

@@ -227,21 +227,64 @@ def test_each_grammar_is_compiled_once(engine):
     assert grammars.compile(StructuredOutput("regex", r"zz+")) is not first
 
 
+def test_the_cache_keeps_the_most_recently_used_grammars(engine, monkeypatch):
+    from ouro_fast.engine import structured
+
+    monkeypatch.setattr(structured, "MAX_COMPILED", 2)
+    cache = structured.GrammarCache(None, lambda: grammars_of(engine).compiler)
+    a, b, c = (StructuredOutput("regex", r) for r in ("a+", "b+", "c+"))
+    first_a = cache.compile(a)
+    cache.compile(b)
+    assert cache.compile(a) is first_a  # a is now the most recent
+    cache.compile(c)  # b, the least recent, leaves
+    assert len(cache) == 2 and cache.compile(a) is first_a
+    assert cache.compile(b) is not None and len(cache) == 2
+
+
+def test_a_missing_compiler_raises_at_each_use(monkeypatch):
+    from ouro_fast.engine import structured
+
+    def build():
+        raise ImportError("no module named xgrammar")
+
+    cache = structured.GrammarCache(None, build)
+    for _ in range(2):
+        with pytest.raises(ImportError):
+            cache.compile(StructuredOutput("regex", "a"))
+
+
 def test_the_compiler_is_built_while_the_engine_starts_not_by_the_first_request(monkeypatch):
     # The engine-owner thread must not import xgrammar or preprocess the vocabulary when the first grammar
     # arrives: every step in flight would wait for it.
     import ouro_fast.engine.engine as engine_module
+    from ouro_fast.engine import structured
 
     eng = Engine(num_kv_blocks=256, max_num_seqs=8)
-    compiler = eng.grammar_compiler.result(timeout=120)  # built on its own thread since start-up
+    compiler = eng.grammar_cache.compiler()  # built on its own thread since start-up
     assert eng.scheduler.sampling.grammars is None
 
-    def refuse(*args):
+    def refuse(*args, **kwargs):
         raise AssertionError("the compiler was built again on the owner thread")
 
     monkeypatch.setattr(engine_module, "grammar_compiler", refuse)
+    monkeypatch.setattr(structured, "grammar_compiler", refuse)
     done = run(eng, {"r": ([3], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "ab+")))})
     assert re.fullmatch("ab+", done["r"][0]) and eng.scheduler.sampling.grammars.compiler is compiler
+
+
+def test_a_grammar_compiled_before_submission_is_not_compiled_again_by_the_engine(engine, monkeypatch):
+    # The server compiles a request's grammar on a worker thread; the engine-owner thread then finds it.
+    from ouro_fast.engine import structured
+
+    want = StructuredOutput("regex", "(xy)+")
+    engine.grammar_cache.compile(want)
+
+    def refuse(*args):
+        raise AssertionError("compiled again on the owner thread")
+
+    monkeypatch.setattr(structured, "_compile", refuse)
+    done = run(engine, {"r": ([3], SamplingParams(max_tokens=4, structured=want))})
+    assert done["r"][0] and re.fullmatch("(xy)*x?", done["r"][0])
 
 
 # ---- the server ----------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from .plan import StepPlan, StepResult, TokenEvents, TokenLogprobs
 from .reference_runner import ReferenceRunner
 from .sampling import SamplingParams
 from .scheduler import FREE, WAITING, Scheduler
-from .structured import Grammars, encoded_vocab, grammar_compiler
+from .structured import GrammarCache, Grammars, encoded_vocab, grammar_compiler
 
 logger = logging.getLogger("ouro_fast")
 
@@ -116,7 +116,7 @@ class Engine:
         # Requests never scheduled yet, oldest first (admission is in arrival order): queue_timeout's watch.
         self.unstarted: dict[str, float] = {}
         self.stats = StepStats(num_loops=self.num_loops)
-        self.grammar_compiler = self._prepare_grammars()
+        self.grammar_cache = self._prepare_grammars()
         self.load_seconds = time.monotonic() - t0
         logger.info(
             "engine ready in %.2fs: %s (%s, %s%s), weights %.2f GiB, %d KV blocks of %d tokens, "
@@ -335,15 +335,16 @@ class Engine:
             self.ahead.arrive(rid)  # the device runs ahead of the scheduler: it picks the launch
         return req
 
-    def _prepare_grammars(self) -> Future | None:
-        """Start building structured output's compiler on a thread of its own (xgrammar's import and the
-        vocabulary's preprocessing take a second or more), so that the first request with a grammar does
-        not stall every step in flight. None where xgrammar is not installed. Started last: it touches no
-        GPU, and no CUDA graph is being captured by then."""
-        if importlib.util.find_spec("xgrammar") is None:
-            return None
+    def _prepare_grammars(self) -> GrammarCache:
+        """Structured output's compiled grammars, their compiler being built on a thread of its own
+        (xgrammar's import and the vocabulary's preprocessing take a second or more), so that the first
+        request with a grammar does not stall every step in flight. Where xgrammar is not installed, the
+        first use tries the build and raises its ImportError. Started last: it touches no GPU, and no CUDA
+        graph is being captured by then."""
         stops = self.eos_ids | frozenset(self.tokenizer.end_of_turn_ids())
         args = (encoded_vocab(self.tokenizer), self.model_config.vocab_size, stops)
+        if importlib.util.find_spec("xgrammar") is None:
+            return GrammarCache(None, lambda: grammar_compiler(*args))
         done: Future = Future()
 
         def build() -> None:
@@ -353,7 +354,7 @@ class Engine:
                 done.set_exception(e)
 
         threading.Thread(target=build, name="ouro-grammar-prep", daemon=True).start()
-        return done
+        return GrammarCache(done)
 
     def _grammars(self) -> Grammars:
         """Structured output's state, on the first request that asks for it: the compiler built since the
@@ -361,13 +362,8 @@ class Engine:
         template's end of turn."""
         s = self.scheduler.sampling
         if s.grammars is None:
-            vocab, capacity = self.model_config.vocab_size, self.scheduler.capacity
-            if self.grammar_compiler is None:  # xgrammar missing: its import raises here, to the request
-                stops = self.eos_ids | frozenset(self.tokenizer.end_of_turn_ids())
-                compiler = grammar_compiler(encoded_vocab(self.tokenizer), vocab, stops)
-            else:
-                compiler = self.grammar_compiler.result()
-            s.grammars = Grammars(compiler, vocab, capacity, self.device)
+            s.grammars = Grammars(self.grammar_cache, self.model_config.vocab_size, self.scheduler.capacity,
+                                  self.device)  # fmt: skip
         return s.grammars
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -1,7 +1,9 @@
 """Structured output: a grammar (a JSON schema, any JSON object, a regex, a choice, an EBNF grammar) decides
 which tokens a request may sample next.
 
-xgrammar compiles each distinct grammar once against the tokenizer's vocabulary (cached by its spec). Each
+xgrammar compiles each distinct grammar once against the tokenizer's vocabulary (GrammarCache: the most
+recently used MAX_COMPILED, by spec). The server compiles a request's grammar on a worker thread before the
+request reaches the engine, so an invalid one is a 400 and the engine-owner thread finds it compiled. Each
 request that asks for one holds a matcher that advances with every token the request accepts. Its row of a
 token bitmask for the next token is filled by a worker thread while the device runs the next loops: the
 engine starts the fill (`start_fill`) right after a step and waits for it (`wait_fill`) only where a row may
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,6 +26,8 @@ import numpy as np
 import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_COMPILED = 256  # compiled grammars kept: a server sent ever new schemas must not grow without bound
+CACHE_LIMIT_BYTES = 256 << 20  # xgrammar's own cache of compiled grammars, for the same reason
 # xgrammar's rule for a character of a length-bounded string lets raw control characters through, which JSON
 # forbids; its unbounded strings already exclude them, as this does.
 _LOOSE_CHAR, _JSON_CHAR = r"([^\"\\\r\n])", r"([^\0-\x1f\"\\])"
@@ -67,19 +73,77 @@ def grammar_compiler(encoded: list[str], vocab_size: int, stop_ids):
 
     byte_level, stops = xgrammar.VocabType.BYTE_LEVEL, sorted(stop_ids)
     info = xgrammar.TokenizerInfo(encoded, byte_level, vocab_size=vocab_size, stop_token_ids=stops)
-    return xgrammar.GrammarCompiler(info, max_threads=1)
+    return xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
+
+
+class GrammarCache:
+    """Compiled grammars by spec, the MAX_COMPILED most recently used, for any thread: the server's worker
+    threads compile requests' grammars before submitting them and the engine-owner thread looks them up.
+    Two threads that miss the same spec at once both compile it (the same result; rare)."""
+
+    def __init__(self, compiler: Future | None, build=None):
+        """compiler: a Future of grammar_compiler's result (being built on another thread), or None to
+        build it with build() on first use (its ImportError, when xgrammar is missing, reaches that use)."""
+        self._future, self._build = compiler, build
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
+
+    def compiler(self):
+        """xgrammar's compiler, waiting for its build if it is still running."""
+        with self._lock:
+            if self._future is None:
+                self._future = Future()
+                try:
+                    self._future.set_result(self._build())
+                except BaseException as e:  # every later use raises it too
+                    self._future.set_exception(e)
+        return self._future.result()
+
+    def compile(self, want: StructuredOutput):
+        """The compiled grammar; ValueError saying what is wrong with an invalid one."""
+        with self._lock:
+            if want in self._compiled:
+                self._compiled.move_to_end(want)
+                return self._compiled[want]
+        want.validate()
+        grammar = _compile(self.compiler(), want)
+        with self._lock:
+            self._compiled[want] = grammar
+            if len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return grammar
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+
+def _compile(c, want: StructuredOutput):
+    import xgrammar
+
+    try:
+        if want.kind in ("json", "json_object"):
+            schema = want.spec if want.kind == "json" else '{"type": "object"}'  # any object, as OpenAI's
+            ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
+            return c.compile_grammar(ebnf.replace(_LOOSE_CHAR, _JSON_CHAR))
+        if want.kind == "regex":
+            return c.compile_regex(want.spec)
+        if want.kind == "choice":
+            return c.compile_grammar(want.ebnf())
+        return c.compile_grammar(want.spec)
+    except RuntimeError as e:
+        raise ValueError(f"invalid {want.kind}: {_clean(e)}") from None
 
 
 class Grammars:
     """Compiled grammars (by spec), and the live matchers and next-token bitmask rows of requests (by rid)."""
 
-    def __init__(self, compiler, vocab_size: int, capacity: int, device):
-        """compiler: grammar_compiler's, for this vocabulary."""
-        import xgrammar  # imported already by grammar_compiler
+    def __init__(self, cache: GrammarCache, vocab_size: int, capacity: int, device):
+        """cache: the compiled grammars of this vocabulary's compiler (its compiler is built by now)."""
+        import xgrammar
 
         self.xgr = xgrammar
-        self.compiler = compiler
-        self.compiled: dict[StructuredOutput, object] = {}
+        self.cache = cache
+        self.compiler = cache.compiler()
         self.batch = xgrammar.BatchGrammarMatcher("auto")
         self.matchers: dict[int, object] = {}
         self.stale: set[int] = set()  # rids whose next-token row is not filled yet
@@ -96,30 +160,13 @@ class Grammars:
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, stop_ids, capacity: int, device) -> Grammars:
         """From an OuroTokenizer, building its compiler here."""
-        compiler = grammar_compiler(encoded_vocab(tokenizer), vocab_size, stop_ids)
-        return cls(compiler, vocab_size, capacity, device)
+        done: Future = Future()
+        done.set_result(grammar_compiler(encoded_vocab(tokenizer), vocab_size, stop_ids))
+        return cls(GrammarCache(done), vocab_size, capacity, device)
 
     def compile(self, want: StructuredOutput):
         """The compiled grammar (cached); ValueError saying what is wrong with an invalid one."""
-        if want in self.compiled:
-            return self.compiled[want]
-        want.validate()
-        c = self.compiler
-        try:
-            if want.kind in ("json", "json_object"):
-                schema = want.spec if want.kind == "json" else '{"type": "object"}'  # any object, as OpenAI's
-                ebnf = str(self.xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-                grammar = c.compile_grammar(ebnf.replace(_LOOSE_CHAR, _JSON_CHAR))
-            elif want.kind == "regex":
-                grammar = c.compile_regex(want.spec)
-            elif want.kind == "choice":
-                grammar = c.compile_grammar(want.ebnf())
-            else:
-                grammar = c.compile_grammar(want.spec)
-        except RuntimeError as e:
-            raise ValueError(f"invalid {want.kind}: {_clean(e)}") from None
-        self.compiled[want] = grammar
-        return grammar
+        return self.cache.compile(want)
 
     def add(self, rid: int, want: StructuredOutput) -> None:
         """Start request rid's matcher; its first token's mask is filled now."""

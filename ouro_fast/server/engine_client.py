@@ -214,7 +214,7 @@ class EngineClient:
             end_of_turn_ids=info.tokenizer.end_of_turn_ids(),
             max_prompt_chars=info.max_request_tokens * info.tokenizer.max_token_chars(),
         )
-        self.tokenizer = info.tokenizer
+        self.tokenizer, self.grammars = info.tokenizer, info.grammars
         if self.state == "loading":
             self.state = "ready"
         self.metrics.ready = True
@@ -248,6 +248,16 @@ class EngineClient:
     async def decode(self, ids: list[int]) -> str:
         """The text of token ids, special tokens spelled out (/detokenize)."""
         return await self.off_loop(len(ids), lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    async def compile_grammar(self, want) -> None:
+        """Compile a request's grammar (a StructuredOutput) into the engine's cache on the large-input thread,
+        so that the engine-owner thread finds it compiled; ApiError 400 for an invalid one."""
+        try:
+            await self.loop.run_in_executor(self.heavy, self.grammars.compile, want)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        except ImportError as e:
+            raise ApiError(400, f"structured output needs xgrammar, which is not installed ({e})") from None
 
     def require_room(self, count: int) -> None:
         """429 unless `count` more requests fit the in-flight bound: a request's choices enter together."""

@@ -33,6 +33,8 @@ async def serve(request, client: EngineClient, req: GenerateRequest) -> HTTPResp
             prompt = await client.encode(prompt)
         prompts.append(prompt)
     params = [protocol.sampling_params(req, len(ids), info) for ids in prompts]
+    if params and params[0].structured is not None:  # the same for every prompt: one request's options
+        await client.compile_grammar(params[0].structured)
     rid = protocol.response_id(request.ctx.request_id, req.chat)
     request.ctx.submitted = True  # from here on, a refusal is the engine's, counted by the client
     handles = _submit(client, request, prompts, params, req.n)

@@ -49,6 +49,7 @@ class ReadyInfo:
     load_seconds: float
     warmup_seconds: float
     tokenizer: object  # an OuroTokenizer of the event loop's own, not shared with the engine
+    grammars: object  # the engine's GrammarCache (any thread): handlers compile requests' grammars into it
 
 
 @dataclass
@@ -237,6 +238,7 @@ class EngineOwner:
             num_kv_blocks=eng.scheduler.num_blocks, load_seconds=load,
             warmup_seconds=time.monotonic() - t0 - load,
             tokenizer=OuroTokenizer.from_dir(eng.model_dir, self.chat_template),
+            grammars=eng.grammar_cache,
         )  # fmt: skip
 
     def _drain(self) -> list:
