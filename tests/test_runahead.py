@@ -546,9 +546,11 @@ def test_lanes_sharing_a_cached_prefix_read_it_once_with_the_same_tokens(model_d
     launch = cascade_attention.launch_prefix_partials
 
     def spy(q, kc, vc, positions, cos_sin, tables, lens, tok_off, prefixes, *args):
-        grouped = prefixes.row_group[: lens.shape[0]]
-        if bool(((grouped >= 0) & (lens == 1)).any()):  # a launch where some lane has a group
-            launches.append("step graph" if cos_sin is None else "lanes")
+        # Under CUDA graphs launches are captured, not run here: only eager (CPU) launches are seen.
+        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            grouped = prefixes.row_group[: lens.shape[0]]
+            if bool(((grouped >= 0) & (lens == 1)).any()):  # a launch where some lane has a group
+                launches.append("step graph" if cos_sin is None else "lanes")
         return launch(q, kc, vc, positions, cos_sin, tables, lens, tok_off, prefixes, *args)
 
     monkeypatch.setattr(cascade_attention, "launch_prefix_partials", spy)
@@ -576,7 +578,8 @@ def test_lanes_sharing_a_cached_prefix_read_it_once_with_the_same_tokens(model_d
     expect, none, no_paths = go(False)
     assert got == expect
     assert lane_launches > 0 and none == 0
-    assert paths == {"lanes", "step graph"} and not no_paths
+    if not torch.cuda.is_available():  # on a GPU the launches are graph replays, which call no Python
+        assert paths == {"lanes", "step graph"} and not no_paths
 
 
 def test_a_lane_that_a_new_request_takes_leaves_its_prefix_class(model_dir, monkeypatch):
