@@ -299,8 +299,9 @@ def graph_step_times(eng: Engine, replays: int = 200) -> list[dict]:
     b["loop"].zero_(), b["lo"].fill_(127), b["hi"].fill_(127), b["bt"].fill_(0)
     lanes = getattr(runner, "lanes", None)
     for n in (1, 8):
-        timed = [("step", getattr(runner, "graphs", {}).get((n, n, 1)))]
-        if lanes is not None and n in lanes.graphs:
+        timed = [("step", getattr(runner, "graphs", {}).get((n, n, 1, False)))]
+        plain = (n, False, False, False, False)  # no log-probabilities, filters, masks or shared prefixes
+        if lanes is not None and plain in lanes.graphs:
             lanes.kvrow[:n] = 0
             lanes.tables.zero_()  # every plane in block 0: nothing else runs now
             lanes.pos[:n], lanes.loop[:n], lanes.lo[:n], lanes.hi[:n] = 0, 0, 0, 3
@@ -311,7 +312,7 @@ def graph_step_times(eng: Engine, replays: int = 200) -> list[dict]:
             lanes.stop_ids[:n] = -1
             lanes.inputs.dev["kill"].zero_()
             lanes.active[:n] = 1
-            timed.append(("lanes", lanes.graphs[n]))
+            timed.append(("lanes", lanes.graphs[plain]))
         for kind, g in timed:
             if g is None:
                 continue

@@ -246,10 +246,10 @@ def _engine_counters(eng: EngineSnapshot) -> tuple:
          "Run-ahead steps where some row exited; the others skip the lm_head's weight stream.",
          eng.run_ahead_exit_steps),
         ("ouro_fast:run_ahead_rider_steps_total",
-         "Run-ahead steps that carried riders' prompts (run as the step graph: every lane reads its whole "
-         "context).", eng.run_ahead_rider_steps),
+         "Run-ahead steps that carried riders' prompts (run as the step graph).", eng.run_ahead_rider_steps),
         ("ouro_fast:run_ahead_shared_prefix_steps_total",
-         "Run-ahead steps whose lanes read a shared prompt prefix once for all of them.",
+         "Run-ahead steps, with riders or without, whose lanes read a shared prompt prefix once for all "
+         "of them.",
          eng.run_ahead_shared_prefix_steps),
         ("vllm:num_preemptions_total", "Requests preempted to free KV (vLLM's name).", eng.preemptions),
         ("vllm:prefix_cache_queries_total",

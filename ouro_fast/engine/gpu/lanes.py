@@ -294,7 +294,8 @@ class DecodeLanes:
         shape = r.fill_rider_step(rows, riders, tables)
         rider_lanes, kill = self.inputs.dev["riders"][:k], self.inputs.dev["kill"]
         run, slot, seeds, temp = pack_lane_step(self, r, kill, rider_lanes, rows, self.block_size)
-        r.run_shape(shape)
+        self.cascade_launches += self.cascade
+        r.run_shape(shape, self.cascade)
         exits = r.exits[: rows + k].to(torch.int32)
         logits = self._lm_head(r.x_last[: rows + k], exits)
         vocab = min(r.sampler.vocab_limit, logits.shape[1])

@@ -78,7 +78,7 @@ class GpuRunner:
         self.prop_half = 0
         # Pairs one step can owe: every token and row of the last step, into each deeper plane.
         self.prop_capacity = (n + r) * max(cfg.total_ut_steps - 1, 1)
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}  # (shape, casc)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.lanes = DecodeLanes(self, max_rows, cfg.total_ut_steps, max_blocks_per_seq, seed, cascade)
         self.cascade = self.lanes.cascade_ok  # steps with prompt rows group the lanes' rows too
@@ -142,26 +142,26 @@ class GpuRunner:
 
     # ---- the step on the device -------------------------------------------------
 
-    def run_shape(self, shape: tuple[int, int, int]) -> None:
-        """One loop over the staged step at a padded shape: its captured graph, else eagerly."""
-        graph = self.graphs.get(shape)
+    def run_shape(self, shape: tuple[int, int, int], casc: bool = False) -> None:
+        """One loop over the staged step at a padded shape: its captured graph, else eagerly. casc: a step
+        with prompt rows whose lanes have shared-prefix groups (riders beside lanes of a class)."""
+        casc = casc and self.cascade and shape[2] > 1
+        graph = self.graphs.get((*shape, casc))
         if graph is not None:
             graph.replay()
         else:
-            self._forward(*shape)
+            self._forward(*shape, casc)
 
-    def _forward(self, rows: int, tokens: int, max_q_len: int) -> None:
+    def _forward(self, rows: int, tokens: int, max_q_len: int, casc: bool = False) -> None:
         """One loop for the first `rows` rows / `tokens` tokens of the static buffers (graph-capturable)."""
         a, b = self.i64.dev, self.i32.dev
         hsrc = a["hsrc"][:tokens]
         h = torch.where(
             (hsrc >= 0)[:, None], self.h_prev[hsrc.clamp(min=0)], self.model.embed(a["ids"][:tokens])
         )  # fmt: skip
-        # Steps with prompt rows (riders beside the lanes) read the lanes' shared prefixes once, as lane
-        # launches do; decode steps of the host path have no groups.
-        prefixes = None
-        if self.cascade and max_q_len > 1:
-            prefixes = SharedPrefixes(b["grp"][:rows], self.lanes.inputs.dev["glen"])
+        # Riders beside lanes with shared-prefix groups read those prefixes once, as lane launches do; the
+        # other steps (host-driven ones, riders beside lanes of no class) skip the prefix launch.
+        prefixes = SharedPrefixes(b["grp"][:rows], self.lanes.inputs.dev["glen"]) if casc else None
         self.attn.batch = TritonBatch(
             a["slot"][:tokens], a["pos"][:tokens], b["bt"][:rows], b["q_start"][:rows], b["len"][:rows],
             b["tok_off"][:rows], max_q_len, prefixes,
@@ -179,19 +179,23 @@ class GpuRunner:
         self.h_prev[:tokens] = x
         self.ls_prev[a["store"][:rows]] = log_surv
 
-    def _capture(self, shape: tuple[int, int, int]) -> None:
+    def _variants(self, shape: tuple[int, int, int]) -> tuple[bool, ...]:
+        # Steps with prompt rows come with and without the shared-prefix launch.
+        return (False, True) if self.cascade and shape[2] > 1 else (False,)
+
+    def _capture(self, shape: tuple[int, int, int], casc: bool) -> None:
         # Warm up (Triton compiles on first launch) outside the capture, on a side stream. Only at
         # start-up: the warm-up runs the step for real, over whatever the buffers hold.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(*shape)
+            self._forward(*shape, casc)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         # One memory pool for all graphs: they never run at the same time.
         with torch.cuda.graph(g, pool=self.pool):
-            self._forward(*shape)
-        self.graphs[shape] = g
+            self._forward(*shape, casc)
+        self.graphs[(*shape, casc)] = g
 
     def capture(self, lanes: bool = True, compile_threads: int | None = None) -> None:
         """Capture the step graphs up front (start-up): decode shapes, then the shapes of steps with
@@ -208,7 +212,8 @@ class GpuRunner:
             precompile(lambda: self._launch_all(shapes, lanes), compile_threads)
             self._compile_prefill_attention(shapes[MAX_GRAPHS:])
             for shape in shapes[:MAX_GRAPHS]:
-                self._capture(shape)
+                for casc in self._variants(shape):
+                    self._capture(shape, casc)
             self._compile_host_kernels()
         logger.info("captured %d step graphs in %.1f s: %s", len(self.graphs), time.perf_counter() - t0,
                     sorted(self.graphs))  # fmt: skip
@@ -224,7 +229,8 @@ class GpuRunner:
         try:
             self._compile_prefill_attention(shapes[MAX_GRAPHS:])
             for shape in shapes[:MAX_GRAPHS]:
-                self._forward(*shape)
+                for casc in self._variants(shape):
+                    self._forward(*shape, casc)
             self._compile_host_kernels()
             if lanes:
                 self.lanes.launch_all()
@@ -246,16 +252,14 @@ class GpuRunner:
             # specializes integer arguments equal to 1 or divisible by 16).
             bt = self.i32.dev["bt"][:rows]
             q = torch.zeros(tokens, cfg.num_attention_heads, cfg.head_dim, dtype=kc.dtype, device=self.device)
-            # Rows of length 0: nothing is read or written, but the launch compiles the variant (with the
-            # shared-prefix launch, as _forward runs it).
-            prefixes = (
-                SharedPrefixes(self.i32.dev["grp"][:rows], self.lanes.inputs.dev["glen"])
-                if self.cascade
-                else None
-            )
-            paged_attention(
-                q, kc, vc, bt, zeros, zeros, zeros, self.block_size, q_len, 1.0, prefixes=prefixes
-            )
+            # Rows of length 0: nothing is read or written, but the launch compiles the variant (with and
+            # without the shared-prefix launch, as _forward runs them).
+            for casc in self._variants((rows, tokens, q_len)):
+                grp = self.i32.dev["grp"][:rows]
+                prefixes = SharedPrefixes(grp, self.lanes.inputs.dev["glen"]) if casc else None
+                paged_attention(
+                    q, kc, vc, bt, zeros, zeros, zeros, self.block_size, q_len, 1.0, prefixes=prefixes
+                )
 
     def propagate(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Last-exited propagation: copy slot src[i] to dst[i] in every layer, K and V. The pairs travel
