@@ -6,7 +6,11 @@ the K/V bandwidth it reaches. `default` marks the configuration decode_config pi
 tables as wide as --max-model-len); --block-n and --warps try other key tiles and warps a program.
 
     python3 -P bench/gpu/attention_bench.py [--rows 16 32 128] [--contexts 160 1152] [--splits 1 2 4 8]
-Prints one JSON line per case.
+
+With --prefix P, the rows form --groups groups (the loop planes of one shared-prefix class) whose members
+share their first P positions' blocks, and each case times the shared-prefix launch plus the decode
+(kernels/cascade_attention.py) for every --pre-splits, --pre-block-n and --pre-warps, against the same rows
+read one by one. Prints one JSON line per case.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ouro_fast.kernels import fused_decode_attention, rope_cos_sin_table
+from ouro_fast.kernels.cascade_attention import SharedPrefixes, prefix_config
 from ouro_fast.kernels.split_kv_attention import decode_config
 
 sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
@@ -52,14 +57,53 @@ def case(rows: int, context: int, max_model_len: int, dtype=torch.bfloat16, dev:
     )  # fmt: skip
 
 
-def time_us(inputs: dict, cfg: dict, replays: int) -> float:
+def share_prefix(inputs: dict, prefix: int, groups: int, max_groups: int = 8) -> SharedPrefixes:
+    """Point the first prefix // PAGE blocks of every row of group g (row % groups) at the blocks of the
+    group's first row; the groups' SharedPrefixes (max_groups slots, as the engine's class x loop)."""
+    tables, rows = inputs["block_tables"], inputs["block_tables"].shape[0]
+    n = prefix // PAGE
+    group = torch.arange(rows, device=tables.device) % groups
+    tables[:, :n] = tables[group, :n]
+    lens = torch.zeros(max_groups, dtype=torch.int32, device=tables.device)
+    lens[:groups] = n * PAGE
+    return SharedPrefixes(group.int(), lens)
+
+
+def time_us(
+    inputs: dict, cfg: dict | None, replays: int, prefixes=None, pre_cfg: dict | None = None
+) -> float:
     out = torch.empty_like(inputs["q"])
 
     def layer_calls():
         for _ in range(LAYERS):
-            fused_decode_attention(**inputs, block_size=PAGE, out=out, config=cfg)
+            fused_decode_attention(**inputs, block_size=PAGE, out=out, config=cfg, prefixes=prefixes,
+                                   prefix_config=pre_cfg)  # fmt: skip
 
     return 1000 * replay_ms(capture(layer_calls), replays, warmup=1) / LAYERS
+
+
+def prefix_cases(a) -> None:
+    """The shared-prefix launch plus the decode against the decode alone, on the same rows and blocks."""
+    for rows, context in itertools.product(a.rows, a.contexts):
+        inputs = case(rows, context, a.max_model_len)
+        prefixes = share_prefix(inputs, a.prefix, a.groups)
+        plain = time_us(inputs, None, a.replays)
+        default = prefix_config(rows, a.max_model_len)
+        base = {"rows": rows, "context": context, "prefix": a.prefix, "groups": a.groups}
+        print(json.dumps({**base, "case": "decode alone", "us": round(plain, 2)}), flush=True)
+        kv_bytes = 2 * a.groups * a.prefix * HKV * D * 2  # each group's prefix read once
+        for splits, block_n, warps in itertools.product(a.pre_splits, a.pre_block_n, a.pre_warps):
+            pre = {"PRE_SPLITS": splits or default["PRE_SPLITS"], "BLOCK_N": block_n or default["BLOCK_N"],
+                   "num_warps": warps or default["num_warps"]}  # fmt: skip
+            us = time_us(inputs, None, a.replays, prefixes, pre)
+            row = {
+                **base,
+                "case": "shared prefix",
+                **pre,
+                "default": all(default[k] == v for k, v in pre.items()),
+            }
+            print(json.dumps({**row, "us": round(us, 2), "vs_alone": round(us / plain, 3),
+                              "prefix_tb_s": round(kv_bytes / us / 1e6, 2)}), flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,7 +115,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[0], help="warps a program (0: decode_config's)")
     ap.add_argument("--max-model-len", type=int, default=65536)
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--prefix", type=int, default=0, help="positions shared by a group's rows (0: no groups)")
+    ap.add_argument(
+        "--groups", type=int, default=4, help="groups of rows sharing a prefix (a class's planes)"
+    )
+    ap.add_argument("--pre-splits", type=int, nargs="+", default=[0], help="prefix slices (0: the default)")
+    ap.add_argument(
+        "--pre-block-n", type=int, nargs="+", default=[0], help="prefix key tile (0: the default)"
+    )
+    ap.add_argument("--pre-warps", type=int, nargs="+", default=[0], help="prefix warps (0: the default)")
     a = ap.parse_args(argv)
+    if a.prefix:
+        prefix_cases(a)
+        return
     for rows in a.rows:
         for context in a.contexts:
             inputs = case(rows, context, a.max_model_len)
