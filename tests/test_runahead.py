@@ -582,6 +582,33 @@ def test_lanes_sharing_a_cached_prefix_read_it_once_with_the_same_tokens(model_d
         assert paths == {"lanes", "step graph"} and not no_paths
 
 
+def test_steps_without_shared_prefixes_run_no_prefix_launch(model_dir, monkeypatch):
+    # Host-driven prompt steps and riders beside lanes of no class take the step graphs without the
+    # shared-prefix launch: with the option on, a workload with no shared prefix never launches it.
+    from ouro_fast.kernels import cascade_attention
+
+    calls = []
+    launch = cascade_attention.launch_prefix_partials
+
+    def spy(*args):
+        calls.append(1)
+        return launch(*args)
+
+    monkeypatch.setattr(cascade_attention, "launch_prefix_partials", spy)
+    eng = engine(model_dir, cascade_attention=True)
+    reqs = [(f"r{i}", [(13 * i + 7 * j) % 250 + 3 for j in range(20 + i)], greedy(6)) for i in range(3)]
+
+    def add_late(e):
+        if e.ahead.active and e.ahead.launched >= 2:
+            e.add_request("late", [(11 * j) % 240 + 5 for j in range(9)], greedy(3))
+            return True
+        return False
+
+    done = run(eng, reqs, hook=add_late)
+    assert len(done) == 4 and eng.ahead.total_riders == 1 and eng.ahead.rider_launches >= 1
+    assert not calls and eng.ahead.lanes.cascade_launches == 0
+
+
 def test_a_lane_that_a_new_request_takes_leaves_its_prefix_class(model_dir, monkeypatch):
     # Three lanes share a cached prefix; the first ends early and a request with an unrelated prompt takes
     # a lane. It must not join the old class, whose prefix blocks are not its own: every token equals the
