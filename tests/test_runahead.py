@@ -610,29 +610,36 @@ def test_steps_without_shared_prefixes_run_no_prefix_launch(model_dir, monkeypat
 
 
 def test_a_lane_that_a_new_request_takes_leaves_its_prefix_class(model_dir, monkeypatch):
-    # Three lanes share a cached prefix; the first ends early and a request with an unrelated prompt takes
-    # a lane. It must not join the old class, whose prefix blocks are not its own: every token equals the
-    # run without shared-prefix attention.
+    # Three lanes share a cached prefix; the first ends early and a request with an unrelated short prompt
+    # rides into its lane under the same rid (rids are reused last-freed first), with no launch between
+    # that saw the lane empty. It must not join the old class, whose prefix blocks are not its own: every
+    # token equals the run without shared-prefix attention.
     from ouro_fast.engine.gpu import prefix_groups
 
     monkeypatch.setattr(prefix_groups, "MIN_SAVED_POSITIONS", 1)
     prefix = [(5 * i) % 240 + 4 for i in range(64)]
     reqs = [(f"r{i}", prefix + [90 + i], greedy(3 if i == 0 else 10)) for i in range(3)]
-    other = ("x", [(11 * i) % 230 + 6 for i in range(70)], greedy(6))
+    other = ("x", [(11 * i) % 230 + 6 for i in range(10)], greedy(6))
 
     def go(cascade):
         eng = engine(model_dir, cascade_attention=cascade)
         run(eng, [("warm", prefix + [9], greedy(1))])
+        rids = {}
 
         def add_other(e):
-            if "r0" not in e.requests:  # r0 ended
-                e.add_request(*other)
-                return True
-            return False
+            if "r0" in e.requests:
+                rids["r0"] = e.requests["r0"].rid
+                return False
+            if not e.ahead.active:
+                return False
+            e.add_request(*other)
+            rids["x"] = e.requests["x"].rid
+            return True
 
         done = run(eng, reqs, hook=add_other)
-        return tokens(done), eng.ahead.lanes.cascade_launches
+        return tokens(done), eng.ahead.lanes.cascade_launches, eng.ahead.total_riders, rids
 
-    got, launches = go(True)
-    expect, _ = go(False)
+    got, launches, riders, rids = go(True)
+    expect, *_ = go(False)
+    assert riders == 1 and rids["x"] == rids["r0"]
     assert got == expect and launches > 0
