@@ -178,8 +178,8 @@ def report(a: argparse.Namespace) -> None:
         "(FP8 weights for labels with -fp8).",
         "",
         "| workload | server | out tok/s | ratio | TTFT p50 | queue / prefill mean | TPOT p50 | TPOT p99 "
-        "| of floor | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| of floor | failed | launches: with riders / shared prefix / all |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in ALL_WORKLOADS:
         base = runs.get((a.baseline, w.name), {}).get("output_throughput")
@@ -202,9 +202,11 @@ def report(a: argparse.Namespace) -> None:
                 else "-"
             )
             ttft, tpot, p99 = (r.get(k, 0) for k in ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
+            shown = (*COUNTERS[1:], COUNTERS[0])  # with riders, with a shared prefix, all
+            launches = " / ".join(f"{r[c]:,}" for c in shown) if all(c in r for c in COUNTERS) else "-"
             lines.append(
                 f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {ttft:.1f} ms | {split} | {tpot:.2f} ms | "
-                f"{p99:.2f} ms | {of_floor} | {r.get('failed', '-')} |"
+                f"{p99:.2f} ms | {of_floor} | {r.get('failed', '-')} | {launches} |"
             )
     text = "\n".join(lines) + "\n"
     (folder / "summary.md").write_text(text)

@@ -135,7 +135,8 @@ def test_report_takes_ratios_against_the_baseline_and_fractions_of_the_floor(tmp
             )  # fmt: skip
         )
     (tmp_path / "notes.json").write_text("{}")  # not a run: ignored
-    phases = '{"mean_queue_ms": 1.25, "mean_prefill_ms": 9.5}'
+    phases = ('{"mean_queue_ms": 1.25, "mean_prefill_ms": 9.5, "run_ahead_steps": 2072, '
+              '"run_ahead_rider_steps": 284, "run_ahead_shared_prefix_steps": 0}')  # fmt: skip
     (tmp_path / "ouro-full.c8-128-64.phases.json").write_text(phases)
     monkeypatch.setattr(sys, "argv", ["matrix", "report", str(tmp_path)])
     matrix.main()
@@ -143,6 +144,7 @@ def test_report_takes_ratios_against_the_baseline_and_fractions_of_the_floor(tmp
     assert len(rows) == 3
     ouro = next(r for r in rows if "ouro-full |" in r)
     assert "| 1,500 | 1.50 | 20.0 ms | 1.2 / 9.5 ms |" in ouro
+    assert ouro.endswith("| 284 / 0 / 2,072 |")  # ouro_fast's launch counters
     assert "| 20.0 ms | - |" in next(r for r in rows if "vllm-full" in r)
     floor = floor_tok_s(Shape(), 8, 128, 64, 4.0)
     assert f"{1500 / floor:.0%}" in ouro
