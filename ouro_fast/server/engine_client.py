@@ -117,6 +117,7 @@ class EngineClient:
         self.metrics = ServerMetrics(config.metrics_model_name)
         self.info: ModelInfo | None = None
         self.tokenizer = None
+        self.grammars = None  # the engine's GrammarCache, once ready
         self.state = "loading"  # loading -> ready -> draining -> stopping; or failed
         self.error: str | None = None
         self.launch_epoch: float | None = None
