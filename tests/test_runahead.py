@@ -562,6 +562,14 @@ def test_lanes_sharing_a_cached_prefix_read_it_once_with_the_same_tokens(model_d
         eng = engine(model_dir, cascade_attention=cascade)
         run(eng, [("warm", prefix + [9], greedy(1))])  # caches the prefix's four blocks
         launches.clear()
+        variants = []  # each step's choice: with the prefix launch or without
+        run_shape = eng.runner.run_shape
+
+        def spied_run_shape(shape, casc=False):
+            variants.append(casc)
+            return run_shape(shape, casc)
+
+        monkeypatch.setattr(eng.runner, "run_shape", spied_run_shape)
 
         def add_late(e):
             if e.ahead.active and e.ahead.launched >= 3:
@@ -572,18 +580,19 @@ def test_lanes_sharing_a_cached_prefix_read_it_once_with_the_same_tokens(model_d
         done = run(eng, reqs, hook=add_late)
         assert all(o.cached_tokens == 64 for o in done.values())
         assert eng.ahead.total_riders == 1
-        return tokens(done), eng.ahead.lanes.cascade_launches, set(launches)
+        return tokens(done), eng.ahead.lanes.cascade_launches, set(launches), any(variants)
 
-    got, lane_launches, paths = go(True)
-    expect, none, no_paths = go(False)
+    got, lane_launches, paths, rider_casc = go(True)
+    expect, none, no_paths, no_casc = go(False)
     assert got == expect
     assert lane_launches > 0 and none == 0
+    assert rider_casc and not no_casc  # the rider's launches took the step variant with the prefix launch
     if not torch.cuda.is_available():  # on a GPU the launches are graph replays, which call no Python
         assert paths == {"lanes", "step graph"} and not no_paths
 
 
 def test_steps_without_shared_prefixes_run_no_prefix_launch(model_dir, monkeypatch):
-    # Host-driven prompt steps and riders beside lanes of no class take the step graphs without the
+    # Host-driven prompt steps and riders beside lanes of no class take the step variant without the
     # shared-prefix launch: with the option on, a workload with no shared prefix never launches it.
     from ouro_fast.kernels import cascade_attention
 
@@ -596,6 +605,15 @@ def test_steps_without_shared_prefixes_run_no_prefix_launch(model_dir, monkeypat
 
     monkeypatch.setattr(cascade_attention, "launch_prefix_partials", spy)
     eng = engine(model_dir, cascade_attention=True)
+    calls.clear()  # start-up compiles (and on a GPU captures) both variants
+    variants = []
+    run_shape = eng.runner.run_shape
+
+    def spied_run_shape(shape, casc=False):
+        variants.append(casc)
+        return run_shape(shape, casc)
+
+    monkeypatch.setattr(eng.runner, "run_shape", spied_run_shape)
     reqs = [(f"r{i}", [(13 * i + 7 * j) % 250 + 3 for j in range(20 + i)], greedy(6)) for i in range(3)]
 
     def add_late(e):
@@ -606,7 +624,8 @@ def test_steps_without_shared_prefixes_run_no_prefix_launch(model_dir, monkeypat
 
     done = run(eng, reqs, hook=add_late)
     assert len(done) == 4 and eng.ahead.total_riders == 1 and eng.ahead.rider_launches >= 1
-    assert not calls and eng.ahead.lanes.cascade_launches == 0
+    assert variants and not any(variants) and eng.ahead.lanes.cascade_launches == 0
+    assert not calls  # graph replays (GPU) call no Python; eager steps (CPU) would call it
 
 
 def test_a_lane_that_a_new_request_takes_leaves_its_prefix_class(model_dir, monkeypatch):
