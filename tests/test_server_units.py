@@ -545,6 +545,9 @@ def test_grammars_are_compiled_off_the_event_loop_and_invalid_ones_are_400s():
     class Cache:  # the engine's GrammarCache: records the thread that compiles
         threads = []
 
+        def cached(self, want):
+            return want == "seen"
+
         def compile(self, want):
             self.threads.append(threading.current_thread().name)
             if want == "bad":
@@ -556,6 +559,7 @@ def test_grammars_are_compiled_off_the_event_loop_and_invalid_ones_are_400s():
         client = make_client()
         client.grammars = Cache()
         await client.compile_grammar("good")
+        await client.compile_grammar("seen")  # compiled before: not handed to the thread again
         assert Cache.threads == ["ouro-heavy-input_0"]
         for want, says in (("bad", "missing )"), ("no-xgrammar", "xgrammar")):
             with pytest.raises(ApiError) as e:

@@ -231,7 +231,7 @@ def test_the_cache_keeps_the_most_recently_used_grammars(engine, monkeypatch):
     from ouro_fast.engine import structured
 
     monkeypatch.setattr(structured, "MAX_COMPILED", 2)
-    cache = structured.GrammarCache(None, lambda: grammars_of(engine).compiler)
+    cache = structured.GrammarCache(None, grammars_of(engine).cache.compiler)
     a, b, c = (StructuredOutput("regex", r) for r in ("a+", "b+", "c+"))
     first_a = cache.compile(a)
     cache.compile(b)
@@ -269,7 +269,7 @@ def test_the_compiler_is_built_while_the_engine_starts_not_by_the_first_request(
     monkeypatch.setattr(engine_module, "grammar_compiler", refuse)
     monkeypatch.setattr(structured, "grammar_compiler", refuse)
     done = run(eng, {"r": ([3], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "ab+")))})
-    assert re.fullmatch("ab+", done["r"][0]) and eng.scheduler.sampling.grammars.compiler is compiler
+    assert re.fullmatch("ab+", done["r"][0]) and eng.scheduler.sampling.grammars.cache.compiler() is compiler
 
 
 def test_a_grammar_compiled_before_submission_is_not_compiled_again_by_the_engine(engine, monkeypatch):

@@ -99,6 +99,11 @@ class GrammarCache:
                     self._future.set_exception(e)
         return self._future.result()
 
+    def cached(self, want: StructuredOutput) -> bool:
+        """Whether want is compiled already (a lookup: any thread, the event loop's too)."""
+        with self._lock:
+            return want in self._compiled
+
     def compile(self, want: StructuredOutput):
         """The compiled grammar; ValueError saying what is wrong with an invalid one."""
         with self._lock:
@@ -135,15 +140,14 @@ def _compile(c, want: StructuredOutput):
 
 
 class Grammars:
-    """Compiled grammars (by spec), and the live matchers and next-token bitmask rows of requests (by rid)."""
+    """The live matchers and next-token bitmask rows of requests (by rid), on a GrammarCache's grammars."""
 
     def __init__(self, cache: GrammarCache, vocab_size: int, capacity: int, device):
-        """cache: the compiled grammars of this vocabulary's compiler (its compiler is built by now)."""
+        """cache: the compiled grammars of this vocabulary."""
         import xgrammar
 
         self.xgr = xgrammar
         self.cache = cache
-        self.compiler = cache.compiler()
         self.batch = xgrammar.BatchGrammarMatcher("auto")
         self.matchers: dict[int, object] = {}
         self.stale: set[int] = set()  # rids whose next-token row is not filled yet
@@ -160,9 +164,9 @@ class Grammars:
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, stop_ids, capacity: int, device) -> Grammars:
         """From an OuroTokenizer, building its compiler here."""
-        done: Future = Future()
-        done.set_result(grammar_compiler(encoded_vocab(tokenizer), vocab_size, stop_ids))
-        return cls(GrammarCache(done), vocab_size, capacity, device)
+        cache = GrammarCache(None, lambda: grammar_compiler(encoded_vocab(tokenizer), vocab_size, stop_ids))
+        cache.compiler()
+        return cls(cache, vocab_size, capacity, device)
 
     def compile(self, want: StructuredOutput):
         """The compiled grammar (cached); ValueError saying what is wrong with an invalid one."""

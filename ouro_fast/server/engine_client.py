@@ -253,6 +253,8 @@ class EngineClient:
     async def compile_grammar(self, want) -> None:
         """Compile a request's grammar (a StructuredOutput) into the engine's cache on the large-input thread,
         so that the engine-owner thread finds it compiled; ApiError 400 for an invalid one."""
+        if self.grammars.cached(want):  # a lookup: no thread hop for a grammar seen before
+            return
         try:
             await self.loop.run_in_executor(self.heavy, self.grammars.compile, want)
         except ValueError as e:
