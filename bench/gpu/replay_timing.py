@@ -49,3 +49,26 @@ def host_replay_us(graph: torch.cuda.CUDAGraph, n: int = 20) -> dict[str, float]
         busy.append(time.perf_counter() - t)
     torch.cuda.synchronize()
     return {"idle": round(1e6 * statistics.median(idle), 1), "busy": round(1e6 * statistics.median(busy), 1)}
+
+
+def kernel_us(graph: torch.cuda.CUDAGraph, replays: int, top: int = 12) -> dict[str, float]:
+    """GPU microseconds a replay spends in each kernel (by name, the largest `top`, the rest as "other"),
+    from the torch profiler over `replays` replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            times[e.key[:60]] = times.get(e.key[:60], 0.0) + us / replays
+    ranked = sorted(times.items(), key=lambda kv: -kv[1])
+    table = {k: round(v, 1) for k, v in ranked[:top]}
+    if len(ranked) > top:
+        table["other"] = round(sum(v for _, v in ranked[top:]), 1)
+    return table

@@ -10,6 +10,8 @@ step (engine/gpu/riders.py), and the loop's cuBLAS matmuls alone at T rows.
 `--attn-config SPLITS:BLOCK_N[:WARPS] ...` times the loop again with the decode attention's split count,
 tile width (and warps) forced (decode_config patched, in this process only). `--host-replay` adds each
 graph's host time a replay() call takes, the GPU idle and busy (replay_timing.host_replay_us).
+`--profile` adds, for each row count and step, the GPU time a loop spends in each kernel (torch profiler
+over the replays; under PDL neighbouring kernels overlap, so the sum can exceed the loop's time).
 `--tc-max-rows N ...` times every row count again with the tensor-core matmul taking at most N rows
 (tc_gemm.TC_MAX_ROWS patched, in this process only; cuBLAS above).
 To compare two builds, run each in its own process and alternate them so that machine drift shows:
@@ -37,7 +39,7 @@ from ouro_fast.model.triton_attention import TritonBatch, TritonPagedAttention
 from ouro_fast.model.triton_loop import linear, run_loop_fused
 
 sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
-from replay_timing import capture, host_replay_us, replay_ms  # noqa: E402
+from replay_timing import capture, host_replay_us, kernel_us, replay_ms  # noqa: E402
 
 
 def build(preset: str) -> OuroForCausalLM:
@@ -107,6 +109,7 @@ def main() -> None:
     ap.add_argument("--host-replay", action="store_true", help="also the host time of graph.replay()")
     ap.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the layers' weights")
     ap.add_argument("--tc-max-rows", type=int, nargs="*", default=[], help="tensor-core row limits to time")
+    ap.add_argument("--profile", action="store_true", help="also the GPU time a loop spends in each kernel")
     args = ap.parse_args()
     model = build(args.preset)
     model.quantize(None if args.quantization == "none" else args.quantization)
@@ -140,6 +143,8 @@ def main() -> None:
                 out[f"rows_{rows}{suffix}_ms"] = round(replay_ms(graph, args.replays, warmup=1), 4)
                 if args.host_replay and not suffix:
                     out[f"rows_{rows}_host_replay_us"] = host_replay_us(graph)
+                if args.profile and not suffix:
+                    out[f"rows_{rows}_kernels_us"] = kernel_us(graph, 20)
             del cache, attn
     decode_attention.decode_config, tc_gemm.TC_MAX_ROWS = default, tc_default
     for tokens in args.prefill_tokens:
@@ -162,6 +167,8 @@ def prefill_ms(model, args, tokens: int, page: int, max_blocks: int) -> dict:
         graph = capture(lambda: run_loop_fused(model, h, attn))
         loop = replay_ms(graph, args.replays // 4, warmup=1)
         host = {f"{tag}_host_replay_us": host_replay_us(graph)} if args.host_replay else {}
+        if args.profile:
+            host[f"{tag}_kernels_us"] = kernel_us(graph, 10)
         mm = replay_ms(capture(lambda: matmuls(model, h, xf)), args.replays // 4, warmup=1)
     return {f"{tag}_ms": round(loop, 4), f"{tag}_matmuls_ms": round(mm, 4), **host}
 
