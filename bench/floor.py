@@ -19,6 +19,11 @@ the lm_head and the K/V stay bf16.
     python -m bench.floor --depth 2.4 --gpu h100         # with early exit's mean depth, on an H100
     python -m bench.floor --quantization fp8             # FP8 layer weights
     python -m bench.floor --prefix-read-once             # the shared prefix's K/V read once a step
+
+The TTFT columns are the prompt's own prefill at the matmul rate (every loop over its uncached tokens): for
+one prompt alone, and for the median request of a wave, `concurrency` prompts arriving together and served
+one after another (fixed output lengths make a closed-loop client's requests end, and their successors
+arrive, together). Neither counts the front end, the queue behind running work, or attention FLOPs.
 """
 
 from __future__ import annotations
@@ -120,6 +125,17 @@ def floor_tok_s(
     return concurrency / token_floor(shape, concurrency, prompt, output, depth, gpu, cached, prefix_once)
 
 
+def prefill_floor(shape: Shape, computed: int, gpu: Gpu = H200) -> float:
+    """Seconds of one prompt's prefill: its `computed` (uncached) tokens through every loop's matmuls."""
+    return 2 * computed * shape.loops * shape.layer_params / shape.matmul_speedup / gpu.matmul_flops_per_s
+
+
+def wave_ttft_floor(shape: Shape, concurrency: int, computed: int, gpu: Gpu = H200) -> float:
+    """Seconds to the median request's first token when `concurrency` prompts arrive together and are
+    prefilled in arrival order at the matmul rate: (concurrency + 1) / 2 prompts' prefill."""
+    return (concurrency + 1) / 2 * prefill_floor(shape, computed, gpu)
+
+
 def main() -> None:
     from bench.matrix import ALL_WORKLOADS
 
@@ -131,15 +147,18 @@ def main() -> None:
     args = p.parse_args()
     shape, gpu = Shape(fp8=args.quantization == "fp8"), GPUS[args.gpu]
     print(f"one loop's weights {shape.layer_params * shape.weight_elem / 1e9:.2f} GB; depth {args.depth}")
-    print("| workload | step floor | ms per token round | floor tok/s |")
-    print("|---|---|---|---|")
+    print("| workload | step floor | ms per token round | floor tok/s | TTFT floor: alone / wave median |")
+    print("|---|---|---|---|---|")
     for w in ALL_WORKLOADS:
         prompt = w.prefix_len + w.input_len
         once = args.prefix_read_once
         step = step_floor(shape, w.concurrency, prompt + w.output_len / 2, gpu, w.prefix_len if once else 0)
         rnd = token_floor(shape, w.concurrency, prompt, w.output_len, args.depth, gpu, w.prefix_len, once)
         tok_s = floor_tok_s(shape, w.concurrency, prompt, w.output_len, args.depth, gpu, w.prefix_len, once)
-        print(f"| {w.name} | {step * 1e3:.3f} ms | {rnd * 1e3:.3f} | {tok_s:,.0f} |")
+        alone = prefill_floor(shape, w.input_len, gpu) * 1e3
+        wave = wave_ttft_floor(shape, w.concurrency, w.input_len, gpu) * 1e3
+        ttft = f"{alone:.2f} / {wave:.1f} ms"
+        print(f"| {w.name} | {step * 1e3:.3f} ms | {rnd * 1e3:.3f} | {tok_s:,.0f} | {ttft} |")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from argparse import ArgumentParser
 import pytest
 
 from bench import matrix
-from bench.floor import H200, Shape, floor_tok_s, step_floor, token_floor
+from bench.floor import H200, Shape, floor_tok_s, prefill_floor, step_floor, token_floor, wave_ttft_floor
 
 
 def test_floor_model_matches_the_h200_arithmetic():
@@ -26,6 +26,17 @@ def test_floor_model_matches_the_h200_arithmetic():
     assert warm < cold and warm > token_floor(s, 32, 128, 128, 4.0)
     prefill = 32 * 2 * 1024 * 4 * s.layer_params / 128 / 789e12
     assert cold - warm == pytest.approx(prefill)
+
+
+def test_ttft_floor_is_a_prompts_loops_at_the_matmul_rate_and_a_wave_waits_for_half_of_it():
+    s = Shape()
+    # 128 tokens through four loops of 1.24 G parameters at 789 TFLOP/s: ~1.6 ms.
+    assert prefill_floor(s, 128) == pytest.approx(2 * 128 * 4 * s.layer_params / 789e12)
+    assert prefill_floor(s, 128) == pytest.approx(1.60e-3, rel=0.01)
+    assert prefill_floor(Shape(fp8=True), 128) == pytest.approx(prefill_floor(s, 128) / 2)
+    # The median of 8 arrivals served in order finishes with the 4.5th prompt; one arrival waits for none.
+    assert wave_ttft_floor(s, 8, 1024) == pytest.approx(4.5 * prefill_floor(s, 1024))
+    assert wave_ttft_floor(s, 1, 128) == pytest.approx(prefill_floor(s, 128))
 
 
 def fake_vllm(monkeypatch, calls):
