@@ -133,7 +133,7 @@ def main() -> None:
         for rows in args.rows:
             slots = rows * max_blocks * page
             shape = (2, cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim)
-            cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
+            cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(0.5)
             attn = TritonPagedAttention(cache, page, cfg.rope_theta, max_blocks * page)
             attn.batch = decode_batch(rows, args.context, page, max_blocks)
             h = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
@@ -157,7 +157,7 @@ def prefill_ms(model, args, tokens: int, page: int, max_blocks: int) -> dict:
     cfg, rows = model.config, max(64, args.prefill_lanes + 1)
     slots = rows * max_blocks * page
     shape = (2, cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim)
-    cache = (torch.randn(shape, device="cuda") * 0.5).to(torch.bfloat16)
+    cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(0.5)
     attn = TritonPagedAttention(cache, page, cfg.rope_theta, max_blocks * page)
     attn.batch = prefill_batch(args.prefill_lanes, args.prompt, tokens, rows, args.context, page, max_blocks)
     h = torch.randn(tokens, cfg.hidden_size, device="cuda").to(torch.bfloat16)
