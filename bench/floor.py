@@ -88,6 +88,11 @@ def step_floor(shape: Shape, rows: int, context: float, gpu: Gpu = H200, shared:
     return max((weight + kv) / gpu.hbm_bytes_per_s, flops / gpu.matmul_flops_per_s)
 
 
+def prefill_floor(shape: Shape, computed: int, gpu: Gpu = H200) -> float:
+    """Seconds of one prompt's prefill: its `computed` (uncached) tokens through every loop's matmuls."""
+    return 2 * computed * shape.loops * shape.layer_params / shape.matmul_speedup / gpu.matmul_flops_per_s
+
+
 def token_floor(
     shape: Shape,
     concurrency: int,
@@ -104,9 +109,7 @@ def token_floor(
     context = prompt + output / 2  # the mean context over a request's output
     lm_head = max(shape.vocab * shape.hidden * shape.elem / gpu.hbm_bytes_per_s,
                   2 * concurrency * shape.vocab * shape.hidden / gpu.matmul_flops_per_s)  # fmt: skip
-    computed = prompt - cached
-    prefill_flops = concurrency * 2 * computed * shape.loops * shape.layer_params / shape.matmul_speedup
-    prefill = prefill_flops / output / gpu.matmul_flops_per_s
+    prefill = concurrency * prefill_floor(shape, prompt - cached, gpu) / output
     shared = cached if prefix_once else 0
     return depth * step_floor(shape, concurrency, context, gpu, shared) + lm_head + prefill
 
@@ -123,11 +126,6 @@ def floor_tok_s(
 ) -> float:
     """The most output tokens a second a workload can reach."""
     return concurrency / token_floor(shape, concurrency, prompt, output, depth, gpu, cached, prefix_once)
-
-
-def prefill_floor(shape: Shape, computed: int, gpu: Gpu = H200) -> float:
-    """Seconds of one prompt's prefill: its `computed` (uncached) tokens through every loop's matmuls."""
-    return 2 * computed * shape.loops * shape.layer_params / shape.matmul_speedup / gpu.matmul_flops_per_s
 
 
 def wave_ttft_floor(shape: Shape, concurrency: int, computed: int, gpu: Gpu = H200) -> float:
