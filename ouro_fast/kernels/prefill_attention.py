@@ -125,18 +125,46 @@ def _paged_attention_kernel(
     if PRE_SPLITS > 0:
         grp = tl.load(grp_ptr + row)
         pre_len = tl.where((grp >= 0) & (n_q == 1), tl.load(glen_ptr + tl.maximum(grp, 0)), 0)
-    for start in range(pre_len, kv_end, BLOCK_N):
+    # Whole key tiles before the tile's first query position are visible to every query: no mask.
+    free_end = pre_len + tl.maximum(q0 + q_tile * BLOCK_Q - pre_len, 0) // BLOCK_N * BLOCK_N
+    k_base, v_base = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
+    bt_row = bt_ptr + row * stride_bt
+    for masked in tl.static_range(2):
+        lo = free_end if masked == 1 else pre_len
+        hi = kv_end if masked == 1 else free_end
+        m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_pos, lo, hi,
+                                kv_end, scale_log2, offs_d, d_valid, PAGE, BLOCK_N, masked == 1, USE_DOT,
+                                DOT_PRECISION, DOT_UPCAST, INTERPRETED)  # fmt: skip
+
+    if PRE_SPLITS > 0:
+        has = m_valid & (t_idx * 0 + pre_len > 0)  # a vector test: the interpreter masks with no scalar bool
+        m_i, l_i, acc = _merge_prefix(pacc_ptr, pm_ptr, pl_ptr, row, head, has, m_i, l_i, acc, NUM_HEADS,
+                                      HEAD_DIM, D_P2, PRE_SPLITS)  # fmt: skip
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+        round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
+        mask=m_valid[:, None] & d_valid[None, :],
+    )
+
+
+@triton.jit
+def _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_pos, lo, hi, kv_end, scale_log2,
+            offs_d, d_valid, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+            USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+            INTERPRETED: tl.constexpr):  # fmt: skip
+    # The online softmax (m_i, l_i, acc) over keys lo .. hi in BLOCK_N tiles; MASKED applies the causal
+    # mask and the end (kv_end), which tiles wholly before the queries need not.
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
-        block = tl.load(bt_ptr + row * stride_bt + offs_n // PAGE, mask=n_valid, other=0)
+        block = tl.load(bt_row + offs_n // PAGE, mask=n_valid, other=0)
         slot = block.to(tl.int64) * PAGE + offs_n % PAGE
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(
-            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
-        )
+        kv_mask = d_valid[None, :]
+        if MASKED:
+            kv_mask = n_valid[:, None] & kv_mask
+        k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         if DOT_UPCAST:
             # The interpreter's numpy dot cannot multiply bf16; bf16 products are exact in fp32.
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -145,8 +173,9 @@ def _paged_attention_kernel(
         else:
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         s = s * scale_log2
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -161,17 +190,7 @@ def _paged_attention_kernel(
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-
-    if PRE_SPLITS > 0:
-        has = m_valid & (t_idx * 0 + pre_len > 0)  # a vector test: the interpreter masks with no scalar bool
-        m_i, l_i, acc = _merge_prefix(pacc_ptr, pm_ptr, pl_ptr, row, head, has, m_i, l_i, acc, NUM_HEADS,
-                                      HEAD_DIM, D_P2, PRE_SPLITS)  # fmt: skip
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
-        round_to(out, o_ptr.dtype.element_ty, INTERPRETED),
-        mask=m_valid[:, None] & d_valid[None, :],
-    )
+    return m_i, l_i, acc
 
 
 @triton.jit
