@@ -86,6 +86,7 @@ def _paged_attention_kernel(
     PRE_SPLITS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    SLOT_AHEAD: tl.constexpr = False,
 ):
     # One program: one tile of BLOCK_Q query tokens of one row, one KV head with its GROUP query heads.
     # Tiles are numbered across the rows that have tokens, so no program is spent on padding rows.
@@ -134,7 +135,7 @@ def _paged_attention_kernel(
         hi = kv_end if masked == 1 else free_end
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_pos, lo, hi,
                                 kv_end, scale_log2, offs_d, d_valid, PAGE, BLOCK_N, masked == 1, USE_DOT,
-                                DOT_PRECISION, DOT_UPCAST, INTERPRETED)  # fmt: skip
+                                DOT_PRECISION, DOT_UPCAST, INTERPRETED, SLOT_AHEAD)  # fmt: skip
 
     if PRE_SPLITS > 0:
         has = m_valid & (t_idx * 0 + pre_len > 0)  # a vector test: the interpreter masks with no scalar bool
@@ -152,14 +153,16 @@ def _paged_attention_kernel(
 def _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_pos, lo, hi, kv_end, scale_log2,
             offs_d, d_valid, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
             USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-            INTERPRETED: tl.constexpr):  # fmt: skip
+            INTERPRETED: tl.constexpr, SLOT_AHEAD: tl.constexpr):  # fmt: skip
     # The online softmax (m_i, l_i, acc) over keys lo .. hi in BLOCK_N tiles; MASKED applies the causal
     # mask and the end (kv_end), which tiles wholly before the queries need not.
+    if SLOT_AHEAD:
+        slot = _slots(bt_row, lo + tl.arange(0, BLOCK_N), kv_end, PAGE)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
-        block = tl.load(bt_row + offs_n // PAGE, mask=n_valid, other=0)
-        slot = block.to(tl.int64) * PAGE + offs_n % PAGE
+        if not SLOT_AHEAD:
+            slot = _slots(bt_row, offs_n, kv_end, PAGE)
         kv_mask = d_valid[None, :]
         if MASKED:
             kv_mask = n_valid[:, None] & kv_mask
@@ -190,7 +193,16 @@ def _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_po
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+        if SLOT_AHEAD:
+            slot = _slots(bt_row, offs_n + BLOCK_N, kv_end, PAGE)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _slots(bt_row, offs_n, kv_end, PAGE: tl.constexpr):
+    # Cache slots of positions offs_n through the row's block table (slot 0 at or past kv_end).
+    block = tl.load(bt_row + offs_n // PAGE, mask=offs_n < kv_end, other=0)
+    return block.to(tl.int64) * PAGE + offs_n % PAGE
 
 
 @triton.jit
