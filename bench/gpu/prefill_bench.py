@@ -106,8 +106,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-n", type=int, nargs="+", default=[0], help="key tile (0: attention_config's)")
     ap.add_argument("--warps", type=int, nargs="+", default=[0], help="warps a program (0: the default)")
     ap.add_argument("--stages", type=int, nargs="+", default=[0], help="pipeline stages (0: Triton's)")
-    ap.add_argument("--slot-ahead", type=int, nargs="+", default=[0], help="1: next tile's slots early")
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[0], help="1: next tile's K/V early")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--replays", type=int, default=20)
     a = ap.parse_args(argv)
@@ -119,17 +117,11 @@ def main(argv: list[str] | None = None) -> None:
         ref = sdpa_us(case, a.replays)
         print(json.dumps({**base, "kernel": "sdpa", "us": round(ref, 2)}), flush=True)
         default = attention_config(inputs["max_q_len"], HQ // HKV, D)
-        for bq, bn, warps, stages, ahead, pre in itertools.product(
-            a.block_q, a.block_n, a.warps, a.stages, a.slot_ahead, a.prefetch
-        ):
+        for bq, bn, warps, stages in itertools.product(a.block_q, a.block_n, a.warps, a.stages):
             cfg = {**default, "BLOCK_Q": bq or default["BLOCK_Q"], "BLOCK_N": bn or default["BLOCK_N"],
                    "num_warps": warps or default["num_warps"]}  # fmt: skip
             if stages:
                 cfg["num_stages"] = stages
-            if ahead:
-                cfg["SLOT_AHEAD"] = True
-            if pre:
-                cfg["PREFETCH"] = True
             us = time_us(inputs, cfg, a.replays)
             row = {**base, **{k: v for k, v in cfg.items() if k != "USE_DOT"}}
             row["default"] = cfg == default

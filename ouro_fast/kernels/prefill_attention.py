@@ -86,8 +86,6 @@ def _paged_attention_kernel(
     PRE_SPLITS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     INTERPRETED: tl.constexpr,
-    SLOT_AHEAD: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     # One program: one tile of BLOCK_Q query tokens of one row, one KV head with its GROUP query heads.
     # Tiles are numbered across the rows that have tokens, so no program is spent on padding rows.
@@ -136,7 +134,7 @@ def _paged_attention_kernel(
         hi = kv_end if masked == 1 else free_end
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_pos, lo, hi,
                                 kv_end, scale_log2, offs_d, d_valid, PAGE, BLOCK_N, masked == 1, USE_DOT,
-                                DOT_PRECISION, DOT_UPCAST, INTERPRETED, SLOT_AHEAD, PREFETCH)  # fmt: skip
+                                DOT_PRECISION, DOT_UPCAST, INTERPRETED)  # fmt: skip
 
     if PRE_SPLITS > 0:
         has = m_valid & (t_idx * 0 + pre_len > 0)  # a vector test: the interpreter masks with no scalar bool
@@ -154,29 +152,19 @@ def _paged_attention_kernel(
 def _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_pos, lo, hi, kv_end, scale_log2,
             offs_d, d_valid, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
             USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-            INTERPRETED: tl.constexpr, SLOT_AHEAD: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+            INTERPRETED: tl.constexpr):  # fmt: skip
     # The online softmax (m_i, l_i, acc) over keys lo .. hi in BLOCK_N tiles; MASKED applies the causal
     # mask and the end (kv_end), which tiles wholly before the queries need not.
-    if SLOT_AHEAD:
-        slot = _slots(bt_row, lo + tl.arange(0, BLOCK_N), kv_end, PAGE)
-    if PREFETCH:
-        k_nx, v_nx = _load_kv(k_base, v_base, bt_row, lo + tl.arange(0, BLOCK_N), kv_end, stride_ks,
-                              stride_vs, offs_d, d_valid, PAGE)  # fmt: skip
+    # Each tile's cache slots come from the iteration before, so its K/V loads wait on no table load.
+    slot = _slots(bt_row, lo + tl.arange(0, BLOCK_N), kv_end, PAGE)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
-        if PREFETCH:
-            k, v = k_nx, v_nx
-            k_nx, v_nx = _load_kv(k_base, v_base, bt_row, offs_n + BLOCK_N, kv_end, stride_ks, stride_vs,
-                                  offs_d, d_valid, PAGE)  # fmt: skip
-        else:
-            if not SLOT_AHEAD:
-                slot = _slots(bt_row, offs_n, kv_end, PAGE)
-            kv_mask = d_valid[None, :]
-            if MASKED:
-                kv_mask = n_valid[:, None] & kv_mask
-            k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        kv_mask = d_valid[None, :]
+        if MASKED:
+            kv_mask = n_valid[:, None] & kv_mask
+        k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         if DOT_UPCAST:
             # The interpreter's numpy dot cannot multiply bf16; bf16 products are exact in fp32.
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -202,21 +190,8 @@ def _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_po
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-        if SLOT_AHEAD and not PREFETCH:
-            slot = _slots(bt_row, offs_n + BLOCK_N, kv_end, PAGE)
+        slot = _slots(bt_row, offs_n + BLOCK_N, kv_end, PAGE)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _load_kv(
-    k_base, v_base, bt_row, offs_n, kv_end, stride_ks, stride_vs, offs_d, d_valid, PAGE: tl.constexpr
-):
-    # K and V tiles [BLOCK_N, D_P2] of positions offs_n (zero at or past kv_end).
-    slot = _slots(bt_row, offs_n, kv_end, PAGE)
-    mask = (offs_n < kv_end)[:, None] & d_valid[None, :]
-    k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=mask, other=0.0)
-    return k, v
 
 
 @triton.jit
