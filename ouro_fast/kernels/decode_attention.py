@@ -60,6 +60,8 @@ from .split_kv_attention import (
 )
 from .tuning import DECODE_ATTN_MAXNREG, DECODE_ATTN_MAXNREG_ROWS, DECODE_ATTN_PDL_ROW_HEADS_PER_SM
 
+SLOTS_AHEAD, HEAD_MAJOR = True, False
+
 # One counter per (row, KV head); 8192 covers 512 rows of 16 KV heads without growing.
 _MIN_COUNTERS = 8192
 
@@ -185,14 +187,20 @@ def _fused_decode_kernel(
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY_KV: tl.constexpr,
+    SLOTS_AHEAD: tl.constexpr = True,
+    HEAD_MAJOR: tl.constexpr = False,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
     # PRE_SPLITS > 0: a row of a shared-prefix group attends from the prefix's end on, and its merge takes
     # the PRE_SPLITS partials that cascade_attention's launch before this one wrote for the prefix.
     DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_MAJOR:
+        kv_head = tl.program_id(0)
+        row = tl.program_id(1)
+    else:
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # Before the PDL wait (EARLY_KV): the step's metadata and this slice's first key/value tile, off the
     # critical path behind qkv. No kernel of the PDL chain writes them: the host's copies, the lanes'
@@ -236,7 +244,7 @@ def _fused_decode_kernel(
     new_pos = tl.where(slot >= 0, q_pos, -1)
     m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
                                  stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
-                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0)  # fmt: skip
+                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0, SLOTS_AHEAD)  # fmt: skip
     # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
     # the last split, after its loop, so that under the interpreter (programs run in grid order)
     # every read of the launch precedes the write and the tests prove that none depends on it.
@@ -343,7 +351,10 @@ def fused_decode_attention(
             q, k_cache, v_cache, positions, cos_sin, block_tables, row_len, row_tok_off, prefixes, scratch,
             splits + pre_splits, block_size, scale * math.log2(math.e), parts, stride_p, pre_cfg,
         )  # fmt: skip
-    _fused_decode_kernel[(r, hkv, splits)](
+    cfg.setdefault("SLOTS_AHEAD", SLOTS_AHEAD)
+    cfg.setdefault("HEAD_MAJOR", HEAD_MAJOR)
+    grid = (hkv, r, splits) if cfg["HEAD_MAJOR"] else (r, hkv, splits)
+    _fused_decode_kernel[grid](
         q, k, v, out, k_cache, v_cache, slot_mapping, positions, cos_sin, block_tables,
         row_q_start, row_len, row_tok_off, grp, glen, acc, m, lsum, counters,
         cos_sin.shape[0], scale * math.log2(math.e),

@@ -49,22 +49,39 @@ def slice_bounds(q_pos, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs, stride_vh,
-                 HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CACHE: tl.constexpr):  # fmt: skip
-    """Keys and values [BLOCK_N, D_P2] (cache dtype) of positions [n0, n0 + BLOCK_N) below end (zeros beyond),
-    through the row's block table; CACHE is the loads' cache modifier ("" or ".cg")."""
-    offs_d = tl.arange(0, D_P2)
+def tile_slots(bt_row_ptr, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
+    """Cache slots [BLOCK_N] (int64) of positions [n0, n0 + BLOCK_N) through the row's block table (0 at or
+    beyond end: a tile wholly beyond it reads no memory)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < end
-    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_valid, other=0, cache_modifier=CACHE)
-    slot = block.to(tl.int64) * PAGE + offs_n % PAGE
+    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < end, other=0, cache_modifier=CACHE)
+    return block.to(tl.int64) * PAGE + offs_n % PAGE
+
+
+@triton.jit
+def load_kv_slots(k_ptr, v_ptr, slot, kv_head, n0, end, stride_ks, stride_kh, stride_vs, stride_vh,
+                  HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CACHE: tl.constexpr):  # fmt: skip
+    """Keys and values [BLOCK_N, D_P2] (cache dtype) of positions [n0, n0 + BLOCK_N) below end (zeros beyond)
+    at their cache slots (tile_slots')."""
+    offs_d = tl.arange(0, D_P2)
+    n_valid = n0 + tl.arange(0, BLOCK_N) < end
     kv_mask = n_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
     k_ptrs = k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
     v_ptrs = v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0, cache_modifier=CACHE)
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0, cache_modifier=CACHE)
     return k, v
+
+
+@triton.jit
+def load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs, stride_vh,
+                 HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CACHE: tl.constexpr):  # fmt: skip
+    """Keys and values [BLOCK_N, D_P2] (cache dtype) of positions [n0, n0 + BLOCK_N) below end (zeros beyond),
+    through the row's block table; CACHE is the loads' cache modifier ("" or ".cg")."""
+    slot = tile_slots(bt_row_ptr, n0, end, PAGE, BLOCK_N, CACHE)
+    return load_kv_slots(k_ptr, v_ptr, slot, kv_head, n0, end, stride_ks, stride_kh, stride_vs, stride_vh,
+                         HEAD_DIM, D_P2, BLOCK_N, CACHE)  # fmt: skip
 
 
 @triton.jit
@@ -95,7 +112,7 @@ def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_n
 def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, stride_ks, stride_kh,
                  stride_vs, stride_vh, new_pos, k_new, v_new, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SUBSTITUTE: tl.constexpr, k0=None, v0=None):  # fmt: skip
+                 SUBSTITUTE: tl.constexpr, k0=None, v0=None, SLOTS_AHEAD: tl.constexpr = True):  # fmt: skip
     """Online softmax of q [GROUP_P2, D_P2] (fp32) over positions [start, end); returns (m, l, acc).
 
     With SUBSTITUTE, the key and value at position new_pos are k_new, v_new [1, D_P2] (cache
@@ -113,11 +130,21 @@ def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, s
                                     BLOCK_N, SUBSTITUTE)  # fmt: skip
         first = start + BLOCK_N
     # An empty slice (start >= kv_len) runs no iteration and leaves m = -1e30, l = 0.
-    for n0 in range(first, end, BLOCK_N):
-        k, v = load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs,
-                            stride_vh, HEAD_DIM, D_P2, PAGE, BLOCK_N, "")  # fmt: skip
-        m_i, l_i, acc = attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
-                                    BLOCK_N, SUBSTITUTE)  # fmt: skip
+    if SLOTS_AHEAD:
+        # Each tile's slots come from the iteration before, so its K/V loads wait on no table load.
+        slot = tile_slots(bt_row_ptr, first, end, PAGE, BLOCK_N, "")
+        for n0 in range(first, end, BLOCK_N):
+            k, v = load_kv_slots(k_ptr, v_ptr, slot, kv_head, n0, end, stride_ks, stride_kh, stride_vs,
+                                 stride_vh, HEAD_DIM, D_P2, BLOCK_N, "")  # fmt: skip
+            slot = tile_slots(bt_row_ptr, n0 + BLOCK_N, end, PAGE, BLOCK_N, "")
+            m_i, l_i, acc = attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
+                                        BLOCK_N, SUBSTITUTE)  # fmt: skip
+    else:
+        for n0 in range(first, end, BLOCK_N):
+            k, v = load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs,
+                                stride_vh, HEAD_DIM, D_P2, PAGE, BLOCK_N, "")  # fmt: skip
+            m_i, l_i, acc = attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
+                                        BLOCK_N, SUBSTITUTE)  # fmt: skip
     return m_i, l_i, acc
 
 
