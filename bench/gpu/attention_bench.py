@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[0], help="warps a program (0: decode_config's)")
     ap.add_argument("--slots-ahead", type=int, nargs="+", default=[1])
     ap.add_argument("--head-major", type=int, nargs="+", default=[0])
+    ap.add_argument("--early", type=int, nargs="+", default=[0])
     ap.add_argument("--max-model-len", type=int, default=65536)
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--prefix", type=int, default=0, help="positions shared by a group's rows (0: no groups)")
@@ -135,17 +136,17 @@ def main(argv: list[str] | None = None) -> None:
             inputs = case(rows, context, a.max_model_len)
             default = decode_config(rows, HKV, HQ // HKV, D, a.max_model_len)
             kv_bytes = 2 * rows * context * HKV * D * 2
-            grid = itertools.product(a.splits, a.block_n, a.warps, a.slots_ahead, a.head_major)
-            for splits, block_n, warps, ahead, head_major in grid:
+            grid = itertools.product(a.splits, a.block_n, a.warps, a.slots_ahead, a.head_major, a.early)
+            for splits, block_n, warps, ahead, head_major, early in grid:
                 cfg = {
                     "NUM_SPLITS": splits or default["NUM_SPLITS"],
                     "BLOCK_N": block_n or default["BLOCK_N"],
                     "num_warps": warps or default["num_warps"],
                 }
-                us = time_us(inputs, {**cfg, "SLOTS_AHEAD": bool(ahead), "HEAD_MAJOR": bool(head_major)},
-                             a.replays)  # fmt: skip
+                variant = dict(SLOTS_AHEAD=bool(ahead), HEAD_MAJOR=bool(head_major), EARLY_KV=bool(early))
+                us = time_us(inputs, {**cfg, **variant}, a.replays)
                 row = {"rows": rows, "context": context, **cfg, "default": cfg == default, "ahead": ahead,
-                       "head_major": head_major}  # fmt: skip
+                       "head_major": head_major, "early": early}  # fmt: skip
                 tb_s = round(kv_bytes / us / 1e6, 2)
                 print(json.dumps({**row, "us": round(us, 2), "kv_tb_s": tb_s}), flush=True)
 

@@ -60,7 +60,7 @@ from .split_kv_attention import (
 )
 from .tuning import DECODE_ATTN_MAXNREG, DECODE_ATTN_MAXNREG_ROWS, DECODE_ATTN_PDL_ROW_HEADS_PER_SM
 
-SLOTS_AHEAD, HEAD_MAJOR = True, False
+SLOTS_AHEAD, HEAD_MAJOR, EARLY_ALWAYS = True, False, False
 
 # One counter per (row, KV head); 8192 covers 512 rows of 16 KV heads without growing.
 _MIN_COUNTERS = 8192
@@ -351,6 +351,7 @@ def fused_decode_attention(
             q, k_cache, v_cache, positions, cos_sin, block_tables, row_len, row_tok_off, prefixes, scratch,
             splits + pre_splits, block_size, scale * math.log2(math.e), parts, stride_p, pre_cfg,
         )  # fmt: skip
+    early_kv = cfg.pop("EARLY_KV", EARLY_ALWAYS) or early
     cfg.setdefault("SLOTS_AHEAD", SLOTS_AHEAD)
     cfg.setdefault("HEAD_MAJOR", HEAD_MAJOR)
     grid = (hkv, r, splits) if cfg["HEAD_MAJOR"] else (r, hkv, splits)
@@ -365,7 +366,7 @@ def fused_decode_attention(
         NUM_HEADS=hq, NUM_KV_HEADS=hkv, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=d,
         D_P2=next_pow2(d), PAGE=block_size, PRE_SPLITS=pre_splits, PARTS=parts, INTERPRETED=interpreting(),
         **cfg,
-        USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early, **maxnreg(r),
+        USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early_kv, **maxnreg(r),
     )  # fmt: skip
     return out
 
