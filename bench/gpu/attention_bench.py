@@ -113,9 +113,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="(0: decode_config's)")
     ap.add_argument("--block-n", type=int, nargs="+", default=[0], help="key tile (0: decode_config's)")
     ap.add_argument("--warps", type=int, nargs="+", default=[0], help="warps a program (0: decode_config's)")
-    ap.add_argument("--slots-ahead", type=int, nargs="+", default=[1])
-    ap.add_argument("--head-major", type=int, nargs="+", default=[0])
-    ap.add_argument("--early", type=int, nargs="+", default=[0])
     ap.add_argument("--max-model-len", type=int, default=65536)
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--prefix", type=int, default=0, help="positions shared by a group's rows (0: no groups)")
@@ -136,17 +133,14 @@ def main(argv: list[str] | None = None) -> None:
             inputs = case(rows, context, a.max_model_len)
             default = decode_config(rows, HKV, HQ // HKV, D, a.max_model_len)
             kv_bytes = 2 * rows * context * HKV * D * 2
-            grid = itertools.product(a.splits, a.block_n, a.warps, a.slots_ahead, a.head_major, a.early)
-            for splits, block_n, warps, ahead, head_major, early in grid:
+            for splits, block_n, warps in itertools.product(a.splits, a.block_n, a.warps):
                 cfg = {
                     "NUM_SPLITS": splits or default["NUM_SPLITS"],
                     "BLOCK_N": block_n or default["BLOCK_N"],
                     "num_warps": warps or default["num_warps"],
                 }
-                variant = dict(SLOTS_AHEAD=bool(ahead), HEAD_MAJOR=bool(head_major), EARLY_KV=bool(early))
-                us = time_us(inputs, {**cfg, **variant}, a.replays)
-                row = {"rows": rows, "context": context, **cfg, "default": cfg == default, "ahead": ahead,
-                       "head_major": head_major, "early": early}  # fmt: skip
+                us = time_us(inputs, cfg, a.replays)
+                row = {"rows": rows, "context": context, **cfg, "default": cfg == default}
                 tb_s = round(kv_bytes / us / 1e6, 2)
                 print(json.dumps({**row, "us": round(us, 2), "kv_tb_s": tb_s}), flush=True)
 
