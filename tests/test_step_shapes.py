@@ -7,11 +7,8 @@ pytest.importorskip("triton", reason="triton is not installed (the test extra in
 from ouro_fast.engine.gpu.shapes import (  # noqa: E402
     MAX_GRAPHS,
     PREFILL_MIN_ROWS,
-    RIDER_MIN_TOKENS,
-    RIDER_TOKENS_PER_LANE,
     decode_shapes,
     prefill_shapes,
-    rider_step_tokens,
     step_shape,
 )
 
@@ -69,11 +66,3 @@ def test_decode_steps_keep_their_row_bucket():
     assert step_shape(1, 1, 1, 64, 512) == (1, 1, 1)
     assert step_shape(64, 64, 1, 64, 512) == (64, 64, 1)
     assert step_shape(5, 5, 1, 6, 512) == (6, 8, 1)
-
-
-def test_a_rider_launch_grows_with_the_lanes_within_the_step_limit():
-    few = RIDER_MIN_TOKENS // RIDER_TOKENS_PER_LANE
-    assert rider_step_tokens(8, 4096) == rider_step_tokens(few, 4096) == RIDER_MIN_TOKENS
-    assert rider_step_tokens(2 * few, 4096) == 2 * RIDER_MIN_TOKENS
-    assert rider_step_tokens(4 * few, 1024) == 1024  # never past max_num_batched_tokens
-    assert rider_step_tokens(8, 256) == 256

@@ -32,7 +32,6 @@ import numpy as np
 
 from ..scheduler import RUNNING, WAITING
 from .lanes import MAX_STOP_IDS, filters
-from .shapes import rider_step_tokens
 
 
 @dataclass
@@ -118,7 +117,7 @@ class Seating:
         need = s.num_tokens(rid) - s.cached_now(rid)
         tokens = self.lanes.rows + sum(len(rd.ids) for rd in self.riders) + need
         rows = self.lanes.rows + len(self.riders) + 1
-        if tokens > rider_step_tokens(self.lanes.rows, self.runner.max_tokens) or rows > self.runner.max_rows:
+        if tokens > self.runner.max_tokens or rows > self.runner.max_rows:
             return "wait" if self.riders else "no"
         if not s.admit_now(rid):
             return "no"

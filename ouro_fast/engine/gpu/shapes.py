@@ -17,11 +17,6 @@ PREFILL_MIN_ROWS = 64
 # Token buckets above 64 tokens, in sixteenths of the next power of two (the last is the power itself):
 # padding adds at most a third, and a 128-token prompt beside 8 decode lanes runs at 144 tokens.
 BUCKET_SIXTEENTHS = (9, 10, 12, 16)
-# A launch that seats riders beside running lanes carries at most max(RIDER_MIN_TOKENS,
-# RIDER_TOKENS_PER_LANE x lanes) tokens, within the step's token limit: few lanes keep rider launches short
-# (TTFT), while many lanes spread a larger prompt share over more decode rows.
-RIDER_MIN_TOKENS = 512
-RIDER_TOKENS_PER_LANE = 8
 
 
 def step_shape(rows: int, tokens: int, max_len: int, max_rows: int, max_tokens: int) -> tuple[int, int, int]:
@@ -34,11 +29,6 @@ def step_shape(rows: int, tokens: int, max_len: int, max_rows: int, max_tokens: 
     r_b = min(max(pow2(rows), PREFILL_MIN_ROWS), max_rows, max_tokens)
     n_b = min(max(_token_bucket(tokens), r_b), max_tokens)
     return r_b, n_b, n_b
-
-
-def rider_step_tokens(lanes: int, max_tokens: int) -> int:
-    """The most tokens a launch may carry when it seats a newcomer beside `lanes` running lanes."""
-    return min(max_tokens, max(RIDER_MIN_TOKENS, RIDER_TOKENS_PER_LANE * lanes))
 
 
 def _token_bucket(n: int) -> int:
