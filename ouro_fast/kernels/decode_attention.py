@@ -60,8 +60,6 @@ from .split_kv_attention import (
 )
 from .tuning import DECODE_ATTN_MAXNREG, DECODE_ATTN_MAXNREG_ROWS, DECODE_ATTN_PDL_ROW_HEADS_PER_SM
 
-HEAD_MAJOR_EARLY = False
-
 # One counter per (row, KV head); 8192 covers 512 rows of 16 KV heads without growing.
 _MIN_COUNTERS = 8192
 
@@ -188,7 +186,6 @@ def _fused_decode_kernel(
     USE_PDL: tl.constexpr,
     EARLY_KV: tl.constexpr,
     SLOTS_AHEAD: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
@@ -196,12 +193,8 @@ def _fused_decode_kernel(
     # PRE_SPLITS > 0: a row of a shared-prefix group attends from the prefix's end on, and its merge takes
     # the PRE_SPLITS partials that cascade_attention's launch before this one wrote for the prefix.
     DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
-    if HEAD_MAJOR:
-        kv_head = tl.program_id(0)
-        row = tl.program_id(1)
-    else:
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # Before the PDL wait (EARLY_KV): the step's metadata and this slice's first key/value tile, off the
     # critical path behind qkv. No kernel of the PDL chain writes them: the host's copies, the lanes'
@@ -352,8 +345,7 @@ def fused_decode_attention(
             q, k_cache, v_cache, positions, cos_sin, block_tables, row_len, row_tok_off, prefixes, scratch,
             splits + pre_splits, block_size, scale * math.log2(math.e), parts, stride_p, pre_cfg,
         )  # fmt: skip
-    head_major = early and HEAD_MAJOR_EARLY
-    _fused_decode_kernel[(hkv, r, splits) if head_major else (r, hkv, splits)](
+    _fused_decode_kernel[(r, hkv, splits)](
         q, k, v, out, k_cache, v_cache, slot_mapping, positions, cos_sin, block_tables,
         row_q_start, row_len, row_tok_off, grp, glen, acc, m, lsum, counters,
         cos_sin.shape[0], scale * math.log2(math.e),
@@ -367,7 +359,7 @@ def fused_decode_attention(
         USE_PDL=pdl_enabled(q.device), launch_pdl=early, EARLY_KV=early, **maxnreg(r),
         # Slots a tile ahead: loop at 32 rows 1.701 against 1.722 ms on an H100, at 8 rows (early loads,
         # a tile or two after the wait) 1.200 against 1.157.
-        SLOTS_AHEAD=not early, HEAD_MAJOR=head_major,
+        SLOTS_AHEAD=not early,
     )  # fmt: skip
     return out
 
