@@ -119,6 +119,7 @@ def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, s
     dtype) instead of the cache's: the fused decode writes that slot in the same launch.
     k0, v0: the first tile (positions [start, start + BLOCK_N)) already loaded by load_kv_tile, e.g. before
     a PDL wait; the same updates in the same order as loading it here.
+    SLOTS_AHEAD: each tile's cache slots are read in the iteration before (the same arithmetic).
     """
     # Finite stand-in for -inf: an empty slice keeps it, and the merge weighs it exp2(-1e30 - m) = 0.
     m_i = tl.full([GROUP_P2], -1.0e30, tl.float32)
