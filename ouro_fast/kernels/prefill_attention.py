@@ -19,7 +19,7 @@ import triton.language as tl
 from . import cascade_attention
 from .launch import check_float, check_paged_inputs, interpreting, next_pow2
 from .rounding import round_to
-from .split_kv_attention import partials_scratch
+from .split_kv_attention import partials_scratch, tile_slots
 from .tuning import (
     PREFILL_BLOCK_N,
     PREFILL_BLOCK_N_WIDE_HEADS,
@@ -156,7 +156,7 @@ def _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_po
     # The online softmax (m_i, l_i, acc) over keys lo .. hi in BLOCK_N tiles; MASKED applies the causal
     # mask and the end (kv_end), which tiles wholly before the queries need not.
     # Each tile's cache slots come from the iteration before, so its K/V loads wait on no table load.
-    slot = _slots(bt_row, lo + tl.arange(0, BLOCK_N), kv_end, PAGE)
+    slot = tile_slots(bt_row, lo, kv_end, PAGE, BLOCK_N, "")
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
@@ -190,15 +190,8 @@ def _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_po
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-        slot = _slots(bt_row, offs_n + BLOCK_N, kv_end, PAGE)
+        slot = tile_slots(bt_row, start + BLOCK_N, kv_end, PAGE, BLOCK_N, "")
     return m_i, l_i, acc
-
-
-@triton.jit
-def _slots(bt_row, offs_n, kv_end, PAGE: tl.constexpr):
-    # Cache slots of positions offs_n through the row's block table (slot 0 at or past kv_end).
-    block = tl.load(bt_row + offs_n // PAGE, mask=offs_n < kv_end, other=0)
-    return block.to(tl.int64) * PAGE + offs_n % PAGE
 
 
 @triton.jit
