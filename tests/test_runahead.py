@@ -240,6 +240,32 @@ def test_a_newcomer_that_cannot_ride_hands_back_mid_ride_with_same_tokens(model_
     assert eng.ahead.hand_backs == 1 and eng.ahead.total_riders == 1
 
 
+def test_newcomers_on_the_host_path_are_held_so_a_run_starts_and_they_ride(model_dir):
+    # A seeded request hands the batch back; after it ends, a newcomer arrives at every host step. Admitted
+    # at once, each would keep a prompt in flight (no run could start until they stop coming); held, the
+    # prompts in flight finish, a run starts, and the held ones ride in it.
+    early = [(f"e{i}", [5 + i, 6, 7 + i], greedy(12)) for i in range(5)]
+    seeded = ("seeded", [4, 4], greedy(1, seed=7))
+    late = [(f"l{i}", [30 + i, 31, 32], greedy(4)) for i in range(3)]
+    want = tokens(run(engine(model_dir, run_ahead=False), early + [seeded] + late))
+    eng = engine(model_dir)
+    pending, held = list(late), []
+
+    def hook(e):
+        if not held and e.ahead.active and e.ahead.launched >= 2:
+            e.add_request(*seeded)
+            held.append(0)
+        elif held and seeded[0] not in e.requests and not e.ahead.active and pending:
+            e.add_request(*pending.pop(0))
+            held.append(len(e.ahead.holding))
+        return False
+
+    got = tokens(run(eng, early, hook=hook))
+    assert got == want
+    assert not pending and max(held) >= 1 and eng.ahead.holding == []
+    assert eng.ahead.hand_backs == 1 and eng.ahead.runs == 2 and eng.ahead.total_riders >= 1
+
+
 def test_a_seated_arrival_whose_launch_never_runs_starts_on_the_host_path(model_dir, monkeypatch):
     # The pool runs dry right after an arrival was given KV and a lane: the run ends before the
     # launch it was seated in, and the host path starts its prompt, with the same tokens.

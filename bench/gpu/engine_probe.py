@@ -131,6 +131,7 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
 
     # trace_after=K: a torch-profiler chrome trace of 60 engine calls after the K-th completion.
     prof, traced, traced_t0, kernel_table = None, 0, 0.0, None
+    launches_at, calls_at = (0, 0), {}  # launches, rider launches and engine calls when the trace started
     runs0 = ahead.runs if ahead is not None else 0
     riders0 = getattr(ahead, "total_riders", 0)  # builds before riders have none
     hist0 = list(s.exit_depth_histogram)
@@ -159,6 +160,10 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
                 if os.environ.get("PROBE_TRACE"):
                     prof.export_chrome_trace(os.path.join(out_dir(), f"closed_{conc}_{q}.json"))
                 kernel_table = kernel_summary(prof, window_ms)
+                if ahead is not None:
+                    kernel_table["launches"] = ahead.total_launches - launches_at[0]
+                    kernel_table["rider_launches"] = ahead.rider_launches - launches_at[1]
+                kernel_table["calls"] = {k: len(v) - calls_at.get(k, 0) for k, v in kinds.items()}
                 prof, trace_after = None, -1
         for o in outs:
             if o.finished:
@@ -169,6 +174,9 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
                     if os.environ.get("PROBE_TRACE_CPU", "1") != "0":
                         acts.append(ProfilerActivity.CPU)
                     prof = profile(activities=acts)
+                    if ahead is not None:
+                        launches_at = (ahead.total_launches, ahead.rider_launches)
+                    calls_at = {k: len(v) for k, v in kinds.items()}
                     prof.start()
                     traced_t0 = time.perf_counter()
                 if sent < prompts:
@@ -191,18 +199,46 @@ def run_closed(eng: Engine, rng, conc: int, q: float, prompts: int, trace_after:
     }  # fmt: skip
 
 
+# Kernel families by name (first match wins): the step's time split the way the floor model splits it.
+KERNEL_KINDS = (
+    ("decode_attention", ("_fused_decode_kernel", "_decode_split_kernel", "_decode_merge_kernel")),
+    ("shared_prefix_attention", ("_prefix_kernel",)),
+    ("prompt_attention", ("_paged_attention_kernel", "flash", "attention")),
+    ("matmul", ("_tc_gemm_kernel", "_skinny_kernel", "_split_reduce_kernel", "_tiled_kernel",
+                "_quantize_rows", "gemm", "nvjet", "cutlass", "xmma", "sm90_", "splitk")),
+    ("norm", ("rms_norm",)),
+    ("swiglu", ("_silu_and_mul",)),
+    ("sampling_and_lanes", ("_sample_kernel", "_bitmask_kernel", "_gate_kernel", "_prologue_kernel",
+                            "_exits_kernel", "_epilogue_kernel", "_publish_kernel", "_pack_kernel",
+                            "_rider_epilogue_kernel", "_propagate_kernel", "_rope_write_kv_kernel")),
+)  # fmt: skip
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k.lower() in low for k in keys):
+            return kind
+    return "other"
+
+
 def kernel_summary(prof, window_ms: float, top: int = 25) -> dict:
-    """GPU time by kernel over a traced window of 60 engine calls: the share of the window each takes."""
+    """GPU time by kernel over a traced window of 60 engine calls: the share of the window each takes,
+    and the sums by kernel family (KERNEL_KINDS)."""
     rows = []
     busy = 0.0
+    kinds: dict[str, float] = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
         if us <= 0:
             continue
         busy += us
         rows.append((us, e.count, e.key[:90]))
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + us
     rows.sort(reverse=True)
     return {"window_ms": round(window_ms, 2), "gpu_busy_ms": round(busy / 1000, 2),
+            "by_kind_ms": {k: round(v / 1000, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top": [{"ms": round(us / 1000, 3), "n": n, "name": k} for us, n, k in rows[:top]]}  # fmt: skip
 
 

@@ -466,7 +466,11 @@ class Engine:
             if plan is None:
                 return  # the device still drives the batch, or nothing is left to run
         else:
+            if ahead is not None:
+                ahead.hold_for_start()
             plan = self.scheduler.schedule()
+            if plan is None and ahead is not None and ahead.release_holds():
+                plan = self.scheduler.schedule()
             if plan is None:
                 return
             self._fire("schedule", plan.rid)

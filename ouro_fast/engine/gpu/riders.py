@@ -10,6 +10,13 @@ weights are streamed once for both. The last prompt token's exit and first token
 come back in the rider lane's record; after the prompt's last loop the lane
 decodes that token, as the host path's refill would start it.
 
+Holding for a start. On the host path a run starts only when a step is plain decode rows with
+nothing waiting, and prompts that keep arriving would keep the batch there (each takes a host step
+per loop). So while the last host step had decode rows that the lanes could take, the host holds
+the newcomers that could ride (at most a prompt's loops of steps): the prompts in flight finish,
+the run starts, and the held ones ride from its next launch as arrivals. A hold that starts no run
+is released and not tried again for as many steps.
+
 The host knows every rider's loop in advance (a prompt runs every loop, one per
 launch), so it stages the riders' rows and tokens itself; only the lanes' state
 and a rider's first-token stop live on the device.
@@ -30,8 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..plan import StepPlan
 from ..scheduler import RUNNING, WAITING
 from .lanes import MAX_STOP_IDS, filters
+from .shapes import pow2
 
 
 @dataclass
@@ -104,7 +113,65 @@ class Seating:
                 return False
             self.arrivals.pop(0)
             seated += 1
+        self.from_hold = False
         return True
+
+    def note_host_step(self, plan: StepPlan) -> None:
+        """A host-driven step was scheduled: could its decode rows become lanes (for hold_for_start)?"""
+        rids = plan.rid.astype(np.int64)
+        early = self.full_depth or bool((plan.exit_lo < plan.exit_hi).any())
+        self._lanes_could_take = (
+            bool(plan.decode.any()) and early and all(self._plain(int(rid), starting=True) for rid in rids)
+        )
+
+    def hold_for_start(self) -> None:
+        """Host path, before schedule(): hold the waiting requests while the last step's decode rows
+        could start a run once the prompts in flight finish, if every one of them can ride in that run
+        (a free lane each, its prompt within the step beside the lanes). At most 2 x loops + 1 steps;
+        then the hold is released and not tried again for a prompt's loops of steps."""
+        s = self.core
+        self.holding = [rid for rid in self.holding if s.status(rid) == WAITING]
+        if self.hold_steps < 0:  # backing off after a hold that started no run
+            self.hold_steps += 1
+            return
+        # A prompt admitted by the last step in two chunks (one filled the step's budget) runs its last loop
+        # 2 x loops steps later; the step after that may start the run.
+        window = 2 * self.lanes.num_loops + 1
+        waiting = [rid for rid in self.requests if s.status(rid) == WAITING]
+        if self.hold_steps >= window or not waiting or not self._can_hold(waiting):
+            self.release_holds(back_off=self.hold_steps >= window)
+            return
+        for rid in waiting:
+            s.hold(rid, True)
+        self.holding = waiting
+        self.hold_steps += 1
+
+    def _can_hold(self, waiting: list[int]) -> bool:
+        if not self._lanes_could_take:
+            return False
+        s, runner = self.core, self.runner
+        lanes = min(pow2(max(s.num_running, 1)), self.lanes.max_lanes)
+        if lanes - s.num_running < len(waiting):
+            return False
+        room = runner.max_tokens - lanes
+        return all(self._plain(rid) and s.num_tokens(rid) - s.cached_now(rid) <= room for rid in waiting)
+
+    def release_holds(self, back_off: bool = False) -> bool:
+        """Let the scheduler admit the held requests; True if any was held."""
+        s = self.core
+        held = [rid for rid in self.holding if s.status(rid) == WAITING]
+        for rid in held:
+            s.hold(rid, False)
+        self.holding = []
+        self.hold_steps = -self.lanes.num_loops if back_off else 0
+        return bool(held)
+
+    def _take_holds(self) -> None:
+        """A run started: the held requests are its arrivals (seated from its next launch)."""
+        s = self.core
+        self.arrivals = [rid for rid in self.holding if s.status(rid) == WAITING]
+        self.holding, self.hold_steps = [], 0
+        self.from_hold = bool(self.arrivals)  # until they are seated: a hand-back first backs off
 
     def _try_seat(self, rid: int) -> str:
         """'seated', 'wait' (the step is full of riding prompts) or 'no'."""
@@ -153,6 +220,8 @@ class Seating:
         self._place(*last)
         self._end()
         self.hand_backs += 1
+        if self.from_hold:  # the held requests could not ride after all: do not hold again soon
+            self.hold_steps, self.from_hold = -self.lanes.num_loops, False
         return plan
 
     def _forget_ended_lanes(self) -> None:

@@ -99,13 +99,19 @@ class RunAhead(Seating):
         self.exit_launches = 0  # replayed launches where a row exited: those that streamed the lm_head
         self.rider_launches = 0  # launches that carried riders (the runner's step graph)
         self._classes_key, self._classes_now = b"", None  # the lanes' prefix classes, and what they are of
+        self.holding: list[int] = []  # waiting requests held on the host path for a run's start
+        self.hold_steps = 0  # host steps held so far, or (negative) steps left backing off
+        self._lanes_could_take = False  # the last host step's decode rows could become lanes
+        self.from_hold = False  # the run's arrivals were held for its start and are not seated yet
 
     # ---- entering -----------------------------------------------------------------------
 
     def eligible(self, plan: StepPlan) -> bool:
         """May this freshly scheduled step start a run-ahead?"""
+        self.note_host_step(plan)
         r = plan.num_rows
-        if self.core.num_waiting or r != self.core.num_running or r > self.lanes.max_lanes:
+        held = len(self.holding)  # waiting only because they are held for this start
+        if self.core.num_waiting > held or r != self.core.num_running or r > self.lanes.max_lanes:
             return False
         if not plan.decode.all():
             return False
@@ -156,7 +162,9 @@ class RunAhead(Seating):
         self.lanes.prepare(*self._variant())  # before the lanes' state loads
         if not self._reserve(in_flight=1):
             self.lane_rids = np.zeros(0, np.int64)
+            self.release_holds()
             return False
+        self._take_holds()
         if plan.num_prop:
             runner.propagate(plan.prop_src, plan.prop_dst)  # owed by the last host-driven step's exits
         stop_ids = np.full((r, MAX_STOP_IDS), -1, np.int64)
