@@ -13,9 +13,9 @@ decodes that token, as the host path's refill would start it.
 Holding for a start. On the host path a run starts only when a step is plain decode rows with
 nothing waiting, and prompts that keep arriving would keep the batch there (each takes a host step
 per loop). So while the last host step had decode rows that the lanes could take, the host holds
-the newcomers that could ride (at most a prompt's loops of steps): the prompts in flight finish,
-the run starts, and the held ones ride from its next launch as arrivals. A hold that starts no run
-is released and not tried again for as many steps.
+the newcomers that could ride (at most 2 x loops + 1 steps): the prompts in flight finish, the run
+starts, and the held ones ride from its next launch as arrivals. A hold that starts no run, or
+whose requests then cannot ride, is released and not tried again for a prompt's loops of steps.
 
 The host knows every rider's loop in advance (a prompt runs every loop, one per
 launch), so it stages the riders' rows and tokens itself; only the lanes' state
@@ -130,7 +130,7 @@ class Seating:
         (a free lane each, its prompt within the step beside the lanes). At most 2 x loops + 1 steps;
         then the hold is released and not tried again for a prompt's loops of steps."""
         s = self.core
-        self.holding = [rid for rid in self.holding if s.status(rid) == WAITING]
+        self.holding = self._still_held()
         if self.hold_steps < 0:  # backing off after a hold that started no run
             self.hold_steps += 1
             return
@@ -143,8 +143,17 @@ class Seating:
             return
         for rid in waiting:
             s.hold(rid, True)
-        self.holding = waiting
+        self.holding = [(rid, self.requests[rid]) for rid in waiting]
         self.hold_steps += 1
+
+    def _still_held(self) -> list[tuple[int, object]]:
+        # Held requests still waiting (an ended one's rid may be a newcomer's now: that one is not held).
+        s = self.core
+        return [
+            (rid, req)
+            for rid, req in self.holding
+            if self.requests.get(rid) is req and s.status(rid) == WAITING
+        ]
 
     def _can_hold(self, waiting: list[int]) -> bool:
         if not self._lanes_could_take:
@@ -158,18 +167,16 @@ class Seating:
 
     def release_holds(self, back_off: bool = False) -> bool:
         """Let the scheduler admit the held requests; True if any was held."""
-        s = self.core
-        held = [rid for rid in self.holding if s.status(rid) == WAITING]
-        for rid in held:
-            s.hold(rid, False)
+        held = self._still_held()
+        for rid, _ in held:
+            self.core.hold(rid, False)
         self.holding = []
         self.hold_steps = -self.lanes.num_loops if back_off else 0
         return bool(held)
 
     def _take_holds(self) -> None:
         """A run started: the held requests are its arrivals (seated from its next launch)."""
-        s = self.core
-        self.arrivals = [rid for rid in self.holding if s.status(rid) == WAITING]
+        self.arrivals = [rid for rid, _ in self._still_held()]
         self.holding, self.hold_steps = [], 0
         self.from_hold = bool(self.arrivals)  # until they are seated: a hand-back first backs off
 

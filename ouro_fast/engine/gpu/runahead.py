@@ -99,7 +99,7 @@ class RunAhead(Seating):
         self.exit_launches = 0  # replayed launches where a row exited: those that streamed the lm_head
         self.rider_launches = 0  # launches that carried riders (the runner's step graph)
         self._classes_key, self._classes_now = b"", None  # the lanes' prefix classes, and what they are of
-        self.holding: list[int] = []  # waiting requests held on the host path for a run's start
+        self.holding: list[tuple[int, Any]] = []  # (rid, request) held on the host path for a run's start
         self.hold_steps = 0  # host steps held so far, or (negative) steps left backing off
         self._lanes_could_take = False  # the last host step's decode rows could become lanes
         self.from_hold = False  # the run's arrivals were held for its start and are not seated yet
@@ -110,7 +110,7 @@ class RunAhead(Seating):
         """May this freshly scheduled step start a run-ahead?"""
         self.note_host_step(plan)
         r = plan.num_rows
-        held = len(self.holding)  # waiting only because they are held for this start
+        held = len(self._still_held())  # waiting only because they are held for this start
         if self.core.num_waiting > held or r != self.core.num_running or r > self.lanes.max_lanes:
             return False
         if not plan.decode.all():
