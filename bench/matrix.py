@@ -86,7 +86,9 @@ def seed(w: Workload, a: argparse.Namespace, warmup: bool) -> int:
 PHASES = ("queue", "prefill")  # vLLM's request phases that TTFT is made of, besides the front end
 # ouro_fast's launch counters: how many launches a workload took, and how many carried riders or read a
 # shared prefix once for several lanes (absent from vLLM's /metrics).
-COUNTERS = ("run_ahead_steps", "run_ahead_rider_steps", "run_ahead_shared_prefix_steps")
+LAUNCHES = ("run_ahead_steps", "run_ahead_rider_steps", "run_ahead_shared_prefix_steps")
+# With the engine's steps: those that were not launches ran on the host path.
+COUNTERS = (*LAUNCHES, "engine_steps")
 
 
 def phase_totals(base_url: str) -> dict[str, float]:
@@ -178,8 +180,8 @@ def report(a: argparse.Namespace) -> None:
         "(FP8 weights for labels with -fp8).",
         "",
         "| workload | server | out tok/s | ratio | TTFT p50 | queue / prefill mean | TPOT p50 | TPOT p99 "
-        "| of floor | failed | launches: with riders / shared prefix / all |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| of floor | failed | launches: with riders / shared prefix / all | host steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in ALL_WORKLOADS:
         base = runs.get((a.baseline, w.name), {}).get("output_throughput")
@@ -202,11 +204,12 @@ def report(a: argparse.Namespace) -> None:
                 else "-"
             )
             ttft, tpot, p99 = (r.get(k, 0) for k in ("median_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
-            shown = (*COUNTERS[1:], COUNTERS[0])  # with riders, with a shared prefix, all
-            launches = " / ".join(f"{r[c]:,}" for c in shown) if all(c in r for c in COUNTERS) else "-"
+            shown = (*LAUNCHES[1:], LAUNCHES[0])  # with riders, with a shared prefix, all
+            launches = " / ".join(f"{r[c]:,}" for c in shown) if all(c in r for c in LAUNCHES) else "-"
+            host = f"{r['engine_steps'] - r['run_ahead_steps']:,}" if all(c in r for c in COUNTERS) else "-"
             lines.append(
                 f"| {w.name} | {label} | {tput:,.0f} | {ratio} | {ttft:.1f} ms | {split} | {tpot:.2f} ms | "
-                f"{p99:.2f} ms | {of_floor} | {r.get('failed', '-')} | {launches} |"
+                f"{p99:.2f} ms | {of_floor} | {r.get('failed', '-')} | {launches} | {host} |"
             )
     text = "\n".join(lines) + "\n"
     (folder / "summary.md").write_text(text)

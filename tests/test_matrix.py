@@ -147,7 +147,8 @@ def test_report_takes_ratios_against_the_baseline_and_fractions_of_the_floor(tmp
         )
     (tmp_path / "notes.json").write_text("{}")  # not a run: ignored
     phases = ('{"mean_queue_ms": 1.25, "mean_prefill_ms": 9.5, "run_ahead_steps": 2072, '
-              '"run_ahead_rider_steps": 284, "run_ahead_shared_prefix_steps": 0}')  # fmt: skip
+              '"run_ahead_rider_steps": 284, "run_ahead_shared_prefix_steps": 0, '
+              '"engine_steps": 2110}')  # fmt: skip
     (tmp_path / "ouro-full.c8-128-64.phases.json").write_text(phases)
     monkeypatch.setattr(sys, "argv", ["matrix", "report", str(tmp_path)])
     matrix.main()
@@ -155,7 +156,7 @@ def test_report_takes_ratios_against_the_baseline_and_fractions_of_the_floor(tmp
     assert len(rows) == 3
     ouro = next(r for r in rows if "ouro-full |" in r)
     assert "| 1,500 | 1.50 | 20.0 ms | 1.2 / 9.5 ms |" in ouro
-    assert ouro.endswith("| 284 / 0 / 2,072 |")  # ouro_fast's launch counters
+    assert ouro.endswith("| 284 / 0 / 2,072 | 38 |")  # ouro_fast's launch counters, and its host steps
     assert "| 20.0 ms | - |" in next(r for r in rows if "vllm-full" in r)
     floor = floor_tok_s(Shape(), 8, 128, 64, 4.0)
     assert f"{1500 / floor:.0%}" in ouro
@@ -170,7 +171,8 @@ def test_phase_means_come_from_the_metrics_pages_before_and_after(monkeypatch):
         'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 2.0\n'
         'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 10.0\n'
         'ouro_fast:run_ahead_steps_total{model_name="m"} 100.0\n'
-        'ouro_fast:run_ahead_rider_steps_total{model_name="m"} 7.0\n',
+        'ouro_fast:run_ahead_rider_steps_total{model_name="m"} 7.0\n'
+        'ouro_fast:engine_steps_total{model_name="m"} 104.0\n',
         'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 1.5\n'
         'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 20.0\n'
         'vllm:request_queue_time_seconds_bucket{engine="0",le="0.1",model_name="m"} 20.0\n'
@@ -178,7 +180,8 @@ def test_phase_means_come_from_the_metrics_pages_before_and_after(monkeypatch):
         'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 20.0\n'
         'ouro_fast:run_ahead_steps_total{model_name="m"} 160.0\n'
         'ouro_fast:run_ahead_rider_steps_total{model_name="m"} 19.0\n'
-        'ouro_fast:run_ahead_shared_prefix_steps_total{model_name="m"} 30.0\n',
+        'ouro_fast:run_ahead_shared_prefix_steps_total{model_name="m"} 30.0\n'
+        'ouro_fast:engine_steps_total{model_name="m"} 170.0\n',
     ])  # fmt: skip
 
     class Page:
@@ -197,11 +200,12 @@ def test_phase_means_come_from_the_metrics_pages_before_and_after(monkeypatch):
     monkeypatch.setattr(matrix.urllib.request, "urlopen", lambda url, timeout: Page(next(pages)))
     before, after = matrix.phase_totals("http://h:1"), matrix.phase_totals("http://h:1/")
     assert before == {"queue_sum": 1.0, "queue_count": 10.0, "prefill_sum": 2.0, "prefill_count": 10.0,
-                      "run_ahead_steps": 100.0, "run_ahead_rider_steps": 7.0}  # fmt: skip
+                      "run_ahead_steps": 100.0, "run_ahead_rider_steps": 7.0,
+                      "engine_steps": 104.0}  # fmt: skip
     means = matrix.phase_means(before, after)
     # A counter the page before lacked has no increment (the server was not counting it then).
     assert means == pytest.approx({"mean_queue_ms": 50.0, "mean_prefill_ms": 25.0, "run_ahead_steps": 60,
-                                   "run_ahead_rider_steps": 12})  # fmt: skip
+                                   "run_ahead_rider_steps": 12, "engine_steps": 66})  # fmt: skip
     assert matrix.phase_means({}, after) == {}  # a server without the histograms before: nothing
 
     def refuse(url, timeout):
