@@ -113,12 +113,9 @@ class RunAhead(Seating):
         held = len(self._still_held())  # waiting only because they are held for this start
         if self.core.num_waiting > held or r != self.core.num_running or r > self.lanes.max_lanes:
             return False
-        if not plan.decode.all():
-            return False
-        if not self.full_depth and not (plan.exit_lo < plan.exit_hi).any():
-            # Full depth: exits are known in advance and the host path never waits on them.
-            return False
-        return all(self._plain(int(rid), starting=True) for rid in plan.rid)
+        # Decode rows only, each one plain, and (unless full depth, where exits are known in advance and the
+        # host path never waits on them) some row that may exit early: what note_host_step found.
+        return bool(plan.decode.all()) and self._lanes_could_take
 
     def _plain(self, rid: int, starting: bool = False) -> bool:
         # Sampling the device does alone: greedy or temperature with top_k/top_p/min_p, unseeded, few stop
