@@ -13,7 +13,8 @@ Settings (environment): PROBE_CASES ("conc:threshold/...", "none": graph times o
 ("conc:threshold:prompts[:K]/..." closed loops, every engine call timed by kind; K: a profiler trace
 after the K-th completion, with the GPU time of each kernel over 60 engine calls), PROBE_IN / PROBE_OUT
 (the closed loops' prompt and output tokens, 128 / 64), PROBE_MAX_SEQS (64), PROBE_MAX_TOKENS (2048),
-PROBE_CASCADE=0 (the engine without shared-prefix decode attention), PROBE_TRACE=1 (a chrome trace of the
+PROBE_CASCADE=0 (the engine without shared-prefix decode attention), PROBE_HOLD=0 (the engine without holding
+newcomers for a run's start), PROBE_TRACE=1 (a chrome trace of the
 profiled steps), PROBE_LOG_COMPILES=1 (Triton compiles after
 start-up), PROBE_TAG.
 Writes engine_probe_<tag>.json (and any traces) to $OUT, by default bench/results/engine-probe-<UTC time>/.
@@ -103,7 +104,8 @@ def log_compiles() -> None:
         t = time.perf_counter()
         kernel = inner(self, *args, **kwargs)
         COMPILES.append({"kernel": self.fn.__name__, "call": CURRENT["call"],
-                         "ms": round(1000 * (time.perf_counter() - t), 1)})  # fmt: skip
+                         "ms": round(1000 * (time.perf_counter() - t), 1),
+                         "constexprs": str(args[3] if len(args) > 3 else "")[:240]})  # fmt: skip
         return kernel
 
     JITFunction._do_compile = timed
@@ -261,6 +263,8 @@ def main() -> None:
     print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.scheduler.num_blocks} KV blocks", flush=True)
     rng = np.random.default_rng(0)
     startup_s = time.perf_counter() - t
+    if os.environ.get("PROBE_HOLD") == "0" and eng.ahead is not None:
+        eng.ahead.hold_for_start = lambda: None  # the host path never holds arrivals for a start
     if os.environ.get("PROBE_LOG_COMPILES") == "1":
         log_compiles()
     # PROBE_CASES: "conc:threshold/..." (default all four), or "none" for the graph step times only.
