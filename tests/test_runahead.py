@@ -266,6 +266,41 @@ def test_newcomers_on_the_host_path_are_held_so_a_run_starts_and_they_ride(model
     assert eng.ahead.hand_backs == 1 and eng.ahead.runs == 2 and eng.ahead.total_riders >= 1
 
 
+def test_a_host_step_that_fails_while_newcomers_are_held_ends_its_rows_and_the_held_ones_run(model_dir):
+    # As above, until a request is held; then the host step raises. The requests holding KV end with the
+    # error; the held ones hold none, so they are not ended: they run after it, with their own tokens.
+    early = [(f"e{i}", [5 + i, 6, 7 + i], greedy(12)) for i in range(5)]
+    seeded = ("seeded", [4, 4], greedy(1, seed=7))
+    late = [(f"l{i}", [30 + i, 31, 32], greedy(4)) for i in range(3)]
+    want = tokens(run(engine(model_dir, run_ahead=False), early + [seeded] + late))
+    eng = engine(model_dir)
+    execute, pending, state = eng.runner.execute, list(late), {"held": None, "added": False}
+
+    def fail_once_while_held(plan):
+        if eng.ahead.holding and state["held"] is None:
+            state["held"] = [req.request_id for _, req in eng.ahead.holding]
+            raise RuntimeError("injected host step failure")
+        return execute(plan)
+
+    eng.runner.execute = fail_once_while_held
+
+    def hook(e):
+        if not state["added"] and e.ahead.active and e.ahead.launched >= 2:
+            e.add_request(*seeded)
+            state["added"] = True
+        elif state["added"] and seeded[0] not in e.requests and not e.ahead.active and pending:
+            e.add_request(*pending.pop(0))
+        return False
+
+    got = run(eng, early, hook=hook)
+    assert eng.stats.failed_steps == 1 and state["held"], "a host step failed while a request was held"
+    errors = {k for k, o in got.items() if o.finish_reason == "error"}
+    assert errors and all("injected host step failure" in got[k].error for k in errors)
+    assert not errors & set(state["held"]) and set(state["held"]) <= set(got)
+    assert all(tokens({k: o})[k] == want[k] for k, o in got.items() if k not in errors)
+    assert eng.ahead.holding == [] and not eng.has_unfinished_requests()
+
+
 def test_a_seated_arrival_whose_launch_never_runs_starts_on_the_host_path(model_dir, monkeypatch):
     # The pool runs dry right after an arrival was given KV and a lane: the run ends before the
     # launch it was seated in, and the host path starts its prompt, with the same tokens.
