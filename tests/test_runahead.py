@@ -240,14 +240,20 @@ def test_a_newcomer_that_cannot_ride_hands_back_mid_ride_with_same_tokens(model_
     assert eng.ahead.hand_backs == 1 and eng.ahead.total_riders == 1
 
 
+def held_newcomers(model_dir):
+    """A run of early requests; a seeded one that hands the batch back; newcomers to arrive on the host
+    path after it; and the host path's tokens for all of them."""
+    early = [(f"e{i}", [5 + i, 6, 7 + i], greedy(12)) for i in range(5)]
+    seeded = ("seeded", [4, 4], greedy(1, seed=7))
+    late = [(f"l{i}", [30 + i, 31, 32], greedy(4)) for i in range(3)]
+    return early, seeded, late, tokens(run(engine(model_dir, run_ahead=False), early + [seeded] + late))
+
+
 def test_newcomers_on_the_host_path_are_held_so_a_run_starts_and_they_ride(model_dir):
     # A seeded request hands the batch back; after it ends, a newcomer arrives at every host step. Admitted
     # at once, each would keep a prompt in flight (no run could start until they stop coming); held, the
     # prompts in flight finish, a run starts, and the held ones ride in it.
-    early = [(f"e{i}", [5 + i, 6, 7 + i], greedy(12)) for i in range(5)]
-    seeded = ("seeded", [4, 4], greedy(1, seed=7))
-    late = [(f"l{i}", [30 + i, 31, 32], greedy(4)) for i in range(3)]
-    want = tokens(run(engine(model_dir, run_ahead=False), early + [seeded] + late))
+    early, seeded, late, want = held_newcomers(model_dir)
     eng = engine(model_dir)
     pending, held = list(late), []
 
@@ -269,10 +275,7 @@ def test_newcomers_on_the_host_path_are_held_so_a_run_starts_and_they_ride(model
 def test_a_host_step_that_fails_while_newcomers_are_held_ends_its_rows_and_the_held_ones_run(model_dir):
     # As above, until a request is held; then the host step raises. The requests holding KV end with the
     # error; the held ones hold none, so they are not ended: they run after it, with their own tokens.
-    early = [(f"e{i}", [5 + i, 6, 7 + i], greedy(12)) for i in range(5)]
-    seeded = ("seeded", [4, 4], greedy(1, seed=7))
-    late = [(f"l{i}", [30 + i, 31, 32], greedy(4)) for i in range(3)]
-    want = tokens(run(engine(model_dir, run_ahead=False), early + [seeded] + late))
+    early, seeded, late, want = held_newcomers(model_dir)
     eng = engine(model_dir)
     execute, pending, state = eng.runner.execute, list(late), {"held": None, "added": False}
 
