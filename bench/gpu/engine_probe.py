@@ -13,8 +13,8 @@ Settings (environment): PROBE_CASES ("conc:threshold/...", "none": graph times o
 ("conc:threshold:prompts[:K]/..." closed loops, every engine call timed by kind; K: a profiler trace
 after the K-th completion, with the GPU time of each kernel over 60 engine calls), PROBE_IN / PROBE_OUT
 (the closed loops' prompt and output tokens, 128 / 64), PROBE_MAX_SEQS (64), PROBE_MAX_TOKENS (2048),
-PROBE_CASCADE=0 (the engine without shared-prefix decode attention), PROBE_HOLD=0 (the engine without holding
-newcomers for a run's start), PROBE_TRACE=1 (a chrome trace of the
+PROBE_CASCADE=0 (the engine without shared-prefix decode attention), PROBE_KV_CACHE_DTYPE (auto, fp8),
+PROBE_HOLD=0 (the engine without holding newcomers for a run's start), PROBE_TRACE=1 (a chrome trace of the
 profiled steps), PROBE_LOG_COMPILES=1 (Triton compiles after
 start-up), PROBE_TAG.
 Writes engine_probe_<tag>.json (and any traces) to $OUT, by default bench/results/engine-probe-<UTC time>/.
@@ -259,7 +259,8 @@ def main() -> None:
     eng = Engine(EngineConfig(model=CKPT, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                               runner=runner, run_ahead=ahead != "0", run_ahead_full_depth=ahead == "full",
                               run_ahead_depth=depth,
-                              cascade_attention=os.environ.get("PROBE_CASCADE") != "0"))  # fmt: skip
+                              cascade_attention=os.environ.get("PROBE_CASCADE") != "0",
+                              kv_cache_dtype=os.environ.get("PROBE_KV_CACHE_DTYPE", "auto")))  # fmt: skip
     print(f"engine ready in {time.perf_counter() - t:.2f}s, {eng.scheduler.num_blocks} KV blocks", flush=True)
     rng = np.random.default_rng(0)
     startup_s = time.perf_counter() - t

@@ -3,8 +3,8 @@
 Builds the ouro-1.4b preset in memory (random bf16 weights; no checkpoint to write), a
 paged KV cache with every row at context ~`--context`, and times one loop over all
 layers captured in a CUDA graph (CUDA events over `--replays` replays) at each row
-count (`--quantization fp8`: with FP8 layer weights). `--prefill-tokens T ...` times a loop over a step
-that carries a prompt instead: `--prefill-lanes`
+count (`--quantization fp8`: with FP8 layer weights; `--kv-cache-dtype fp8`: the K/V cache in float8
+e4m3). `--prefill-tokens T ...` times a loop over a step that carries a prompt instead: `--prefill-lanes`
 decode rows and one `--prompt`-token prompt, padded to T tokens and 64 rows as the runner pads a riders'
 step (engine/gpu/riders.py), and the loop's cuBLAS matmuls alone at T rows.
 `--attn-config SPLITS:BLOCK_N[:WARPS] ...` times the loop again with the decode attention's split count,
@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N[:WARPS] settings to time")
     ap.add_argument("--host-replay", action="store_true", help="also the host time of graph.replay()")
     ap.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the layers' weights")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: bf16")
     ap.add_argument("--tc-max-rows", type=int, nargs="*", default=[], help="tensor-core row limits to time")
     ap.add_argument("--profile", action="store_true", help="also the GPU time a loop spends in each kernel")
     args = ap.parse_args()
@@ -121,7 +122,8 @@ def main() -> None:
         for t in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
                   layer.mlp.down_proj.weight)
     )  # fmt: skip
-    out = {"tag": args.tag, "quantization": args.quantization, "context": args.context,
+    out = {"tag": args.tag, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+           "context": args.context,
            "floor_ms_4.8TBs": round(weights / 4.8e9, 4)}  # fmt: skip
     default, tc_default = decode_attention.decode_config, tc_gemm.TC_MAX_ROWS
     settings = [("", None)] + [(s, None) for s in args.attn_config] + [("", n) for n in args.tc_max_rows]
@@ -133,8 +135,8 @@ def main() -> None:
         for rows in args.rows:
             slots = rows * max_blocks * page
             shape = (2, cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim)
-            cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(0.5)
-            attn = TritonPagedAttention(cache, page, cfg.rope_theta, max_blocks * page)
+            cache = kv_cache(shape, args.kv_cache_dtype)
+            attn = TritonPagedAttention(cache, page, cfg.rope_theta, max_blocks * page, torch.bfloat16)
             attn.batch = decode_batch(rows, args.context, page, max_blocks)
             h = torch.randn(rows, cfg.hidden_size, device="cuda").to(torch.bfloat16)
             with torch.inference_mode():
@@ -157,8 +159,8 @@ def prefill_ms(model, args, tokens: int, page: int, max_blocks: int) -> dict:
     cfg, rows = model.config, max(64, args.prefill_lanes + 1)
     slots = rows * max_blocks * page
     shape = (2, cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim)
-    cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(0.5)
-    attn = TritonPagedAttention(cache, page, cfg.rope_theta, max_blocks * page)
+    cache = kv_cache(shape, args.kv_cache_dtype)
+    attn = TritonPagedAttention(cache, page, cfg.rope_theta, max_blocks * page, torch.bfloat16)
     attn.batch = prefill_batch(args.prefill_lanes, args.prompt, tokens, rows, args.context, page, max_blocks)
     h = torch.randn(tokens, cfg.hidden_size, device="cuda").to(torch.bfloat16)
     xf = torch.randn(tokens, cfg.intermediate_size, device="cuda").to(torch.bfloat16)
@@ -171,6 +173,12 @@ def prefill_ms(model, args, tokens: int, page: int, max_blocks: int) -> dict:
             host[f"{tag}_kernels_us"] = kernel_us(graph, 10)
         mm = replay_ms(capture(lambda: matmuls(model, h, xf)), args.replays // 4, warmup=1)
     return {f"{tag}_ms": round(loop, 4), f"{tag}_matmuls_ms": round(mm, 4), **host}
+
+
+def kv_cache(shape, kv_cache_dtype: str) -> torch.Tensor:
+    """A random K/V cache in bf16, or in float8 e4m3 for "fp8"."""
+    cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(0.5)
+    return cache.to(torch.float8_e4m3fn) if kv_cache_dtype == "fp8" else cache
 
 
 def _forced(default, setting: str):

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
 
 @dataclass
 class EngineConfig:
@@ -42,6 +44,8 @@ class EngineConfig:
     compile_threads: int | None = None  # start-up kernel compiles in parallel; None: the CPUs, at most 16
     # "fp8": the layers' linear weights in float8 e4m3, a scale per output row (model/quantization.py).
     quantization: str | None = None
+    # "auto": K/V in the activations' dtype; "fp8": float8 e4m3, saturated at +-448 (half the bytes).
+    kv_cache_dtype: str = "auto"
     # TEST-ONLY: "STAGE:SEED@TOKENS,..." makes a step stage raise for chosen requests (engine/faults.py).
     test_faults: str = ""
     # Seconds a request may wait before its first step; then it ends "abort" with an error. None: forever.
@@ -59,6 +63,13 @@ class EngineConfig:
         if self.dtype not in dtypes:
             raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {self.dtype!r}")
         return dtypes[self.dtype]
+
+    def resolved_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The K/V cache's dtype for activations of `dtype`."""
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            choices = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype must be one of {choices}; got {self.kv_cache_dtype!r}")
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else dtype
 
     def resolved_runner(self, device: torch.device) -> str:
         kind = self.runner

@@ -85,6 +85,10 @@ class Engine:
         self.device = cfg.resolved_device()
         self.dtype = cfg.resolved_dtype(self.device)
         self.runner_kind = cfg.resolved_runner(self.device)
+        self.kv_dtype = cfg.resolved_kv_dtype(self.dtype)
+        old_gpu = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9)
+        if self.kv_dtype != self.dtype and old_gpu:
+            raise ValueError("kv_cache_dtype fp8 needs a GPU of compute capability 8.9+ (Ada, Hopper)")
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         self.model_config: OuroConfig = load_config(self.model_dir)
@@ -119,11 +123,12 @@ class Engine:
         self.grammar_cache = self._prepare_grammars()
         self.load_seconds = time.monotonic() - t0
         logger.info(
-            "engine ready in %.2fs: %s (%s, %s%s), weights %.2f GiB, %d KV blocks of %d tokens, "
+            "engine ready in %.2fs: %s (%s, %s%s), weights %.2f GiB, %d KV blocks of %d tokens (%s), "
             "max_model_len %d",
             self.load_seconds, self.model_dir, self.device, self.dtype,
             f", {self.quantization} weights" if self.quantization else "", self.weight_bytes / 2**30,
-            self.scheduler.num_blocks, cfg.block_size, self.max_model_len,
+            self.scheduler.num_blocks, cfg.block_size, str(self.kv_dtype).removeprefix("torch."),
+            self.max_model_len,
         )  # fmt: skip
 
     # ---- construction ----------------------------------------------------------
@@ -158,7 +163,7 @@ class Engine:
 
     def _build_scheduler(self) -> Scheduler:
         cfg, mc = self.config, self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         block_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim * elem
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
@@ -186,13 +191,13 @@ class Engine:
         cfg, num_blocks = self.config, self.scheduler.num_blocks
         if self.runner_kind == "torch":
             return ReferenceRunner(self.model, num_blocks, cfg.block_size, self.vocab_limit, self.device,
-                                   cfg.seed, cfg.keep_logits)  # fmt: skip
+                                   cfg.seed, cfg.keep_logits, self.kv_dtype)  # fmt: skip
         from .gpu import GpuRunner  # imports triton: only when asked for
 
         runner = GpuRunner(
             self.model, num_blocks, cfg.block_size, self.vocab_limit, self.device, cfg.max_num_seqs,
             cfg.max_num_batched_tokens, self.max_blocks_per_seq, self.max_model_len, cfg.seed,
-            cfg.keep_logits, cfg.cuda_graphs, cfg.cascade_attention,
+            cfg.keep_logits, cfg.cuda_graphs, cfg.cascade_attention, self.kv_dtype,
         )  # fmt: skip
         runner.capture(lanes=self._run_ahead_wanted(), compile_threads=cfg.compile_threads)
         return runner

@@ -28,13 +28,14 @@ class ReferenceRunner:
         device: torch.device,
         seed: int = 0,
         keep_logits: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
         dtype = next(model.parameters()).dtype
-        self.kv_cache = allocate_kv_cache(cfg, num_blocks * block_size, dtype, device)
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks * block_size, kv_dtype or dtype, device)
         self.attn = PagedTorchAttention(self.kv_cache)
         self.sampler = Sampler(vocab_limit, device, seed)
         self.keep_logits = keep_logits

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreting, next_pow2
+from .launch import interpreting, next_pow2, tl_dtype
 from .pdl import pdl_enter, pdl_launch
 from .rounding import round_to
 from .split_kv_attention import load_kv_tile, slice_bounds
@@ -79,9 +79,9 @@ def _prefix_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, table_ptr, bt_ptr, len_ptr, t
                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
                    PRE_SPLITS: tl.constexpr, TOTAL_SPLITS: tl.constexpr, PARTS: tl.constexpr,
                    ROTATED: tl.constexpr, EXACT: tl.constexpr, INTERPRETED: tl.constexpr,
-                   USE_PDL: tl.constexpr):  # fmt: skip
+                   USE_PDL: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
     # One program: one group's rows in [chunk * BLOCK_R, +BLOCK_R), one query head, one slice of the prefix.
-    DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
+    # DTYPE: the activations' (q's, rotated); an FP8 cache's keys and values widen to it, exactly.
     g = tl.program_id(0) // CHUNKS
     chunk = tl.program_id(0) % CHUNKS
     head = tl.program_id(1)
@@ -118,6 +118,7 @@ def _prefix_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, table_ptr, bt_ptr, len_ptr, t
     for n0 in range(start, end, BLOCK_N):
         k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kv_head, n0, end, stride_kcs, stride_kch, stride_vcs,
                             stride_vch, HEAD_DIM, D_P2, PAGE, BLOCK_N, "")  # fmt: skip
+        k, v = k.to(DTYPE), v.to(DTYPE)
         if EXACT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         elif INTERPRETED:  # the interpreter multiplies no 16-bit floats: the same exact products in fp32
@@ -165,11 +166,12 @@ def prefix_config(rows: int, max_context: int) -> dict:
 
 def launch_prefix_partials(q, kc, vc, positions, cos_sin, block_tables, row_len, row_tok_off, prefixes,
                            scratch, total_splits: int, block_size: int, scale_log2: float, parts: int,
-                           stride_p: int, cfg: dict) -> None:  # fmt: skip
+                           stride_p: int, cfg: dict, dtype: torch.dtype) -> None:  # fmt: skip
     """Write the prefix partials of every grouped row into `scratch` (acc, m, l as partials_scratch gives
     them, TOTAL_SPLITS a row and head, the prefix's last), for the query of each row's first token. q is
     one token's [N, Hq, D] view (slot 0's when `parts` > 0), unrotated, with positions and cos_sin as
-    fused_decode_attention takes them; or, with cos_sin None, already rotated (positions unused)."""
+    fused_decode_attention takes them; or, with cos_sin None, already rotated (positions unused). dtype: the
+    activations' (q's, or what its partial products round to); the cache may be that or FP8."""
     rotated = cos_sin is None
     # Rotated: no RoPE table nor positions is read (any tensor stands in).
     table, num_pos, stride_t = (row_len, 1, 0) if rotated else (cos_sin, cos_sin.shape[0], cos_sin.stride(0))
@@ -184,7 +186,7 @@ def launch_prefix_partials(q, kc, vc, positions, cos_sin, block_tables, row_len,
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), stride_t, block_tables.stride(0),
         stride_p, NUM_HEADS=hq, GROUP=hq // kc.shape[1], HEAD_DIM=d, D_P2=next_pow2(d), PAGE=block_size,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], CHUNKS=chunks, PRE_SPLITS=cfg["PRE_SPLITS"],
-        TOTAL_SPLITS=total_splits, PARTS=parts, ROTATED=rotated, EXACT=kc.dtype == torch.float32,
-        INTERPRETED=interpreting(),
+        TOTAL_SPLITS=total_splits, PARTS=parts, ROTATED=rotated, EXACT=dtype == torch.float32,
+        INTERPRETED=interpreting(), DTYPE=tl_dtype(dtype),
         num_warps=cfg["num_warps"], **pdl_launch(q.device),
     )  # fmt: skip

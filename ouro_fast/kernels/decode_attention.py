@@ -38,7 +38,9 @@ import triton.language as tl
 from . import cascade_attention
 from .cascade_attention import SharedPrefixes
 from .launch import (
+    FP8_CACHE,
     ArrivalCounters,
+    check_cache,
     check_float,
     check_paged_inputs,
     check_same_dtype,
@@ -47,7 +49,7 @@ from .launch import (
     sm_count,
 )
 from .pdl import pdl_enabled, pdl_enter
-from .rounding import round_to
+from .rounding import as_cached, round_to
 from .split_kv_attention import (
     attend_slice,
     launch_config,
@@ -188,11 +190,12 @@ def _fused_decode_kernel(
     SLOTS_AHEAD: tl.constexpr,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
-    # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: the cache's).
+    # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: out's).
     # SLOTS_AHEAD: each key tile's cache slots are read in the iteration before (attend_slice).
     # PRE_SPLITS > 0: a row of a shared-prefix group attends from the prefix's end on, and its merge takes
     # the PRE_SPLITS partials that cascade_attention's launch before this one wrote for the prefix.
-    DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
+    DTYPE: tl.constexpr = o_ptr.dtype.element_ty  # the activations'; the cache may be FP8
+    CACHE: tl.constexpr = kc_ptr.dtype.element_ty
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -234,6 +237,8 @@ def _fused_decode_kernel(
     offs_d = tl.arange(0, D_P2)[None, :]
     v_ptrs = v_ptr + tok * stride_vn + kv_head * stride_vh + offs_d
     v_new = _value(v_ptrs, offs_d < HEAD_DIM, stride_p, PARTS, DTYPE, INTERPRETED).to(DTYPE)
+    # The slot's key and value as the cache holds them: what a later launch reads back.
+    k_new, v_new = as_cached(k_new, CACHE, INTERPRETED), as_cached(v_new, CACHE, INTERPRETED)
     # slot < 0 writes nothing: the key and value at q_pos are the cache's, as in the three launches.
     new_pos = tl.where(slot >= 0, q_pos, -1)
     m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
@@ -285,13 +290,14 @@ def fused_decode_attention(
     config: dict | None = None,
     prefixes: SharedPrefixes | None = None,
     prefix_config: dict | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """rope_write_kv then paged_decode_attention in one launch, bit for bit; returns out [N, Hq, D].
 
     q [N, Hq, D], k, v [N, Hkv, D]: UNROTATED projections (any row and head strides,
     contiguous last dimension: column views of one qkv output work); or each [S, N, H, D] fp32, the
     qkv matmul's partial products (views of one tc_linear(partial=True) output, one slot stride),
-    added in slot order and rounded to the cache dtype before use; slot_mapping,
+    added in slot order and rounded to the activations' dtype before use; slot_mapping,
     positions [N] and cos_sin (rope_cos_sin_table) as for rope_write_kv; the paged
     metadata, scale, out and config (keys of decode_config) as for
     paged_decode_attention. Only each row's token is rotated and written: row r's
@@ -303,6 +309,10 @@ def fused_decode_attention(
     paged_decode_attention plus per-device arrival counters (allocated on the first
     call of a shape; never during CUDA-graph capture).
 
+    dtype: the activations' dtype (out's, and what q, k, v round to): q's by default, or with partial
+    products the cache's; needed with partial products and an FP8 cache (k_cache float8 e4m3, which holds
+    each key and value as rounding.as_cached gives them).
+
     prefixes (SharedPrefixes): rows of a group attend to its shared prefix through
     cascade_attention's launch, before this one, which reads the prefix once for all of them
     (prefix_config overrides keys of its launch config); the results then match the
@@ -312,7 +322,9 @@ def fused_decode_attention(
     if parts:
         _check_partials(q, k, v)
         q, k, v = q[0], k[0], v[0]  # slot 0's views: a token's and a head's strides
-    dt = k_cache.dtype
+    dt = dtype or (k_cache.dtype if parts else q.dtype)
+    if dt == FP8_CACHE:
+        raise ValueError("partial q, k, v with an FP8 cache need dtype (the activations' dtype)")
     n, hq, d, hkv, r = check_paged_inputs(
         _typed(q, dt), k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off
     )
@@ -320,6 +332,8 @@ def fused_decode_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=dt, device=q.device)
     check_float("out", out)
+    if out.dtype != dt:  # the kernel rounds to out's dtype
+        raise ValueError(f"out must be {dt}, got {out.dtype}")
     if out.shape != (n, hq, d):  # the kernel writes rows of q's shape through out's strides
         raise ValueError(f"out must be [{n}, {hq}, {d}], got {tuple(out.shape)}")
     if r == 0 or n == 0:
@@ -343,7 +357,7 @@ def fused_decode_attention(
         _check_prefixes(prefixes, r)
         cascade_attention.launch_prefix_partials(
             q, k_cache, v_cache, positions, cos_sin, block_tables, row_len, row_tok_off, prefixes, scratch,
-            splits + pre_splits, block_size, scale * math.log2(math.e), parts, stride_p, pre_cfg,
+            splits + pre_splits, block_size, scale * math.log2(math.e), parts, stride_p, pre_cfg, dt,
         )  # fmt: skip
     _fused_decode_kernel[(r, hkv, splits)](
         q, k, v, out, k_cache, v_cache, slot_mapping, positions, cos_sin, block_tables,
@@ -387,7 +401,8 @@ def _typed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _check_rope_kv(k, v, k_cache, slot_mapping, positions, cos_sin, n: int, hkv: int, d: int) -> None:
     check_float("k", k)
     check_float("v", v)
-    check_same_dtype(k=k, v=v, k_cache=k_cache)
+    check_same_dtype(k=k, v=v)
+    check_cache("k_cache", k_cache, k.dtype)
     if k.shape != (n, hkv, d) or v.shape != k.shape:
         raise ValueError(f"k and v must be [{n}, {hkv}, {d}], got {tuple(k.shape)} and {tuple(v.shape)}")
     if slot_mapping.shape != (n,) or positions.shape != (n,):

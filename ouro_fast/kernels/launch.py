@@ -11,8 +11,16 @@ import functools
 import os
 
 import torch
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A K/V cache holds the activations' dtype, or float8 e4m3 (kv_cache_dtype "fp8") for any of them.
+FP8_CACHE = torch.float8_e4m3fn
+
+
+def tl_dtype(dtype: torch.dtype):
+    """Triton's name for a float dtype of FLOAT_DTYPES (a kernel's constexpr)."""
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
 def next_pow2(n: int) -> int:
@@ -24,6 +32,15 @@ def check_float(name: str, t: torch.Tensor) -> None:
     """Raise ValueError unless t is a bf16/fp16/fp32 tensor whose last dimension is contiguous."""
     if t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
+
+
+def check_cache(name: str, t: torch.Tensor, act_dtype: torch.dtype) -> None:
+    """Raise ValueError unless t is a K/V cache for activations of act_dtype: that dtype or float8 e4m3,
+    contiguous in its last dimension."""
+    if t.dtype not in (act_dtype, FP8_CACHE):
+        raise ValueError(f"{name} must be {act_dtype} (the activations') or {FP8_CACHE}, got {t.dtype}")
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
 
@@ -64,9 +81,9 @@ def interpreting() -> bool:
 def check_paged_inputs(q, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off):
     """Validate paged-attention inputs (see paged_attention); returns (N, Hq, D, Hkv, R)."""
     check_float("q", q)
-    check_float("k_cache", k_cache)
-    check_float("v_cache", v_cache)
-    check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
+    check_cache("k_cache", k_cache, q.dtype)
+    check_cache("v_cache", v_cache, q.dtype)
+    check_same_dtype(k_cache=k_cache, v_cache=v_cache)
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
     if hq % hkv or k_cache.shape[2] != d or v_cache.shape != k_cache.shape:

@@ -163,8 +163,9 @@ def _attend(q, m_i, l_i, acc, k_base, v_base, bt_row, stride_ks, stride_vs, q_po
         kv_mask = d_valid[None, :]
         if MASKED:
             kv_mask = n_valid[:, None] & kv_mask
-        k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        # An FP8 cache's keys and values widen to q's dtype exactly.
+        k = tl.load(k_base + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if DOT_UPCAST:
             # The interpreter's numpy dot cannot multiply bf16; bf16 products are exact in fp32.
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -302,7 +303,7 @@ def paged_attention(
         pacc, pm, pl = scratch = partials_scratch(r, hq, pre_splits, d, q.device, always=True)
         cascade_attention.launch_prefix_partials(
             q, k_cache, v_cache, None, None, block_tables, row_len, row_tok_off, prefixes, scratch,
-            pre_splits, block_size, scale * math.log2(math.e), 0, 0, pre_cfg,
+            pre_splits, block_size, scale * math.log2(math.e), 0, 0, pre_cfg, q.dtype,
         )  # fmt: skip
     _paged_attention_kernel[grid](
         q, out, k_cache, v_cache, block_tables, row_q_start, row_len, row_tok_off, grp, glen, pacc, pm, pl,

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_float, next_pow2
+from .launch import FLOAT_DTYPES, FP8_CACHE, next_pow2
 from .pdl import pdl_enter, pdl_launch
 from .tuning import PROPAGATE_BLOCK, SMALL_KERNEL_WARPS
 
@@ -57,7 +57,8 @@ def propagate_kv(
     the device, so P may be a fixed padded size inside a CUDA graph) or when src[i] or
     dst[i] is negative. P may be 0. The dst slots must be distinct and never a src.
     """
-    check_float("kv_cache", kv_cache)
+    if kv_cache.dtype not in (*FLOAT_DTYPES, FP8_CACHE):
+        raise ValueError(f"kv_cache must be a float or float8 e4m3 tensor, got {kv_cache.dtype}")
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, L, num_slots, Hkv, D], got {tuple(kv_cache.shape)}")
     two, layers, _, hkv, d = kv_cache.shape

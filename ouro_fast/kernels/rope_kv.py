@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_float, check_same_dtype, interpreting, next_pow2
+from .launch import check_cache, check_float, check_same_dtype, interpreting, next_pow2
 from .pdl import pdl_enter, pdl_launch
-from .rounding import round_to
+from .rounding import as_cached, round_to
 from .tuning import SMALL_KERNEL_WARPS
 
 
@@ -44,22 +44,26 @@ def _rotated_halves(x_ptr, row, stride_h, cos, sin, H: tl.constexpr, H_P2: tl.co
 
 @triton.jit
 def _store_halves(x_ptr, row, stride_h, lo, hi, H: tl.constexpr, H_P2: tl.constexpr, HALF: tl.constexpr,
-                  HALF_P2: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+                  HALF_P2: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    # Rounded to DTYPE (the activations'), then stored as x_ptr's dtype holds it (an FP8 cache: as_cached).
     offs_h = tl.arange(0, H_P2)
     offs_d = tl.arange(0, HALF_P2)
     mask = (offs_h[:, None] < H) & (offs_d[None, :] < HALF)
     base = x_ptr + row + offs_h[:, None] * stride_h + offs_d[None, :]
-    tl.store(base, round_to(lo, x_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-    tl.store(base + HALF, round_to(hi, x_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    X: tl.constexpr = x_ptr.dtype.element_ty
+    tl.store(base, as_cached(round_to(lo, DTYPE, INTERPRETED), X, INTERPRETED), mask=mask)
+    tl.store(base + HALF, as_cached(round_to(hi, DTYPE, INTERPRETED), X, INTERPRETED), mask=mask)
 
 
 @triton.jit
 def _copy_heads(src_ptr, src_row, src_stride_h, dst_ptr, dst_row, dst_stride_h, H: tl.constexpr,
-                H_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr):  # fmt: skip
+                H_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+                INTERPRETED: tl.constexpr):  # fmt: skip
     offs_h = tl.arange(0, H_P2)
     offs_d = tl.arange(0, D_P2)
     mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
     x = tl.load(src_ptr + src_row + offs_h[:, None] * src_stride_h + offs_d[None, :], mask=mask)
+    x = as_cached(x, dst_ptr.dtype.element_ty, INTERPRETED)
     tl.store(dst_ptr + dst_row + offs_h[:, None] * dst_stride_h + offs_d[None, :], x, mask=mask)
 
 
@@ -111,20 +115,20 @@ def _rope_write_kv_kernel(
         cos = tl.load(table_ptr + pos * stride_t + offs_c, mask=offs_c < HALF, other=0.0)
         sin = tl.load(table_ptr + pos * stride_t + HALF + offs_c, mask=offs_c < HALF, other=0.0)
         q1, q2 = _rotated_halves(q_ptr, tok * stride_qn, stride_qh, cos, sin, HQ, HQ_P2, HALF, HALF_P2)
-        _store_halves(q_out_ptr, tok * stride_on, stride_oh, q1, q2, HQ, HQ_P2, HALF, HALF_P2, INTERPRETED)
+        _store_halves(q_out_ptr, tok * stride_on, stride_oh, q1, q2, HQ, HQ_P2, HALF, HALF_P2,
+                      q_out_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
     if slot >= 0:
         kc_row = slot.to(tl.int64) * stride_kcs
         if APPLY_ROPE:
             k1, k2 = _rotated_halves(k_ptr, tok * stride_kn, stride_kh, cos, sin, HKV, HKV_P2, HALF, HALF_P2)
-            _store_halves(kc_ptr, kc_row, stride_kch, k1, k2, HKV, HKV_P2, HALF, HALF_P2, INTERPRETED)
+            _store_halves(kc_ptr, kc_row, stride_kch, k1, k2, HKV, HKV_P2, HALF, HALF_P2,
+                          k_ptr.dtype.element_ty, INTERPRETED)  # fmt: skip
         else:
-            _copy_heads(
-                k_ptr, tok * stride_kn, stride_kh, kc_ptr, kc_row, stride_kch, HKV, HKV_P2, HEAD_DIM, D_P2
-            )
+            _copy_heads(k_ptr, tok * stride_kn, stride_kh, kc_ptr, kc_row, stride_kch, HKV, HKV_P2, HEAD_DIM,
+                        D_P2, INTERPRETED)  # fmt: skip
         vc_row = slot.to(tl.int64) * stride_vcs
-        _copy_heads(
-            v_ptr, tok * stride_vn, stride_vh, vc_ptr, vc_row, stride_vch, HKV, HKV_P2, HEAD_DIM, D_P2
-        )
+        _copy_heads(v_ptr, tok * stride_vn, stride_vh, vc_ptr, vc_row, stride_vch, HKV, HKV_P2, HEAD_DIM,
+                    D_P2, INTERPRETED)  # fmt: skip
 
 
 def rope_write_kv(
@@ -146,13 +150,16 @@ def rope_write_kv(
     With positions [N] (int32/int64) and cos_sin from rope_cos_sin_table: split-half
     rotation in fp32, x1*cos - x2*sin and x2*cos + x1*sin, rounded once to the output
     dtype; the rotated q goes to q_out (new tensor when None; may be q itself for in
-    place) and the rotated k to the cache. Positions are clamped into the table, so
+    place) and the rotated k to the cache. A float8 e4m3 cache holds k and v as
+    rounding.as_cached gives them. Positions are clamped into the table, so
     padding tokens may carry any position. Without positions, k and v are written as
     they are and q is returned unchanged. The grid is (N,).
     """
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(name, t)
-    check_same_dtype(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    check_same_dtype(k=k, v=v)
+    check_cache("k_cache", k_cache, k.dtype)
+    check_same_dtype(k_cache=k_cache, v_cache=v_cache)
     n, hq, d = q.shape
     hkv = k.shape[1]
     if k.shape != (n, hkv, d) or v.shape != k.shape or k_cache.shape[1:] != (hkv, d):

@@ -13,17 +13,29 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
+
 
 def allocate_kv_cache(cfg, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """The paged K/V of every (loop, layer) plane: [2, layers, num_slots, kv_heads, head_dim]."""
+    """The paged K/V of every (loop, layer) plane: [2, layers, num_slots, kv_heads, head_dim], in the
+    activations' dtype or float8 e4m3 (to_cache_dtype)."""
     shape = (2, cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, cfg.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def to_cache_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a K/V cache of `dtype` holds it: for float8 e4m3 saturated to +-448 and rounded to nearest even
+    (the Triton kernels store the same bits), else t in dtype."""
+    if dtype == torch.float8_e4m3fn:
+        return t.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return t.to(dtype)
 
 
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
     """q [n, Hq, D] at positions q_start.. attends k, v [S, Hkv, D] at positions 0..S-1, causally."""
     n, hq, d = q.shape
     s, hkv = k.shape[0], k.shape[1]
+    k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's values widen exactly
     if hkv != hq:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
@@ -80,7 +92,8 @@ class PagedBatch:
 class PagedTorchAttention:
     """Paged attention over loop planes, in plain PyTorch: gathers each row's K/V from its plane.
 
-    kv_cache [2, num_layers, num_slots, Hkv, D]; a physical slot is block_id * block_size + offset.
+    kv_cache [2, num_layers, num_slots, Hkv, D]; a physical slot is block_id * block_size + offset. An
+    FP8 cache's keys and values widen to the activations' dtype exactly before attention.
     """
 
     def __init__(self, kv_cache: torch.Tensor):
@@ -92,8 +105,8 @@ class PagedTorchAttention:
         kc, vc = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
         write = b.slot_mapping >= 0
         slots = b.slot_mapping[write]
-        kc[slots] = k[write]
-        vc[slots] = v[write]
+        kc[slots] = to_cache_dtype(k[write], kc.dtype)
+        vc[slots] = to_cache_dtype(v[write], vc.dtype)
         out = torch.empty_like(q)
         for r, start in enumerate(b.row_token_start):
             n = b.row_len[r]

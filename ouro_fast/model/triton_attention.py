@@ -85,7 +85,8 @@ class TritonPagedAttention:
     kv_cache [2, num_layers, num_slots, Hkv, D]; a slot is block_id * block_size + offset.
     With rope_theta and max_positions the backend applies RoPE itself (applies_rope is
     True) and expects UNROTATED q and k; otherwise q and k arrive rotated, as
-    OuroForCausalLM.run_loop passes them today.
+    OuroForCausalLM.run_loop passes them today. dtype: the activations' (default the cache's); the cache
+    may be float8 e4m3 for any of them (rounding.as_cached says what it holds).
     """
 
     def __init__(
@@ -94,8 +95,10 @@ class TritonPagedAttention:
         block_size: int,
         rope_theta: float | None = None,
         max_positions: int | None = None,
+        dtype: torch.dtype | None = None,
     ):
         self.kv_cache = kv_cache
+        self.dtype = dtype or kv_cache.dtype
         self.block_size = block_size
         self.batch: TritonBatch | None = None
         self.applies_rope = rope_theta is not None
@@ -119,9 +122,9 @@ class TritonPagedAttention:
             raise ValueError("partial q, k, v are taken only by decode calls with RoPE (takes_partials)")
         if self.takes_partials():
             # Decode-only call: one launch instead of three (each launch costs ~2-3 us of latency).
-            return fused_decode_attention(
-                q, k, v, kc, vc, b.slot_mapping, b.positions, self.cos_sin, *meta, scale, prefixes=b.prefixes
-            )
+            rope = (b.slot_mapping, b.positions, self.cos_sin)
+            opts = {"prefixes": b.prefixes, "dtype": self.dtype}
+            return fused_decode_attention(q, k, v, kc, vc, *rope, *meta, scale, **opts)
         positions = b.positions if self.applies_rope else None
         # Rotating in place is safe: q is a fresh projection output owned by this call.
         q = rope_write_kv(q, k, v, kc, vc, b.slot_mapping, positions, self.cos_sin, q_out=q)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engine.config import KV_CACHE_DTYPES
 from ..model.quantization import QUANTIZATIONS
 
 ENV_PREFIX = "OURO_FAST_"
@@ -33,6 +34,7 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()  # names a request's "model" may use; default: model as given
     dtype: str = "auto"
     quantization: str | None = None  # "fp8": linear weights in float8 e4m3 (model/quantization.py)
+    kv_cache_dtype: str = "auto"  # "fp8": K/V in float8 e4m3 (half the KV bytes); auto: the dtype's
     device: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
@@ -108,11 +110,11 @@ class ServerConfig:
     def engine_options(self) -> dict:
         """Keyword arguments of ouro_fast.engine.engine.EngineConfig."""
         names = (
-            "model", "dtype", "quantization", "device", "max_num_seqs", "max_num_batched_tokens",
-            "max_waiting", "max_model_len", "block_size", "kv_cache_bytes", "num_kv_blocks", "seed", "runner",
-            "cuda_graphs", "enable_prefix_caching", "refill", "run_ahead", "run_ahead_full_depth",
-            "run_ahead_depth", "cascade_attention", "compile_threads", "cpu_threads", "test_faults",
-            "queue_timeout",
+            "model", "dtype", "quantization", "kv_cache_dtype", "device", "max_num_seqs",
+            "max_num_batched_tokens", "max_waiting", "max_model_len", "block_size", "kv_cache_bytes",
+            "num_kv_blocks", "seed", "runner", "cuda_graphs", "enable_prefix_caching", "refill", "run_ahead",
+            "run_ahead_full_depth", "run_ahead_depth", "cascade_attention", "compile_threads", "cpu_threads",
+            "test_faults", "queue_timeout",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names}
 
@@ -151,6 +153,9 @@ class ServerConfig:
             raise ConfigError(
                 f"{env_name('quantization')} must be {' or '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            choices = " or ".join(KV_CACHE_DTYPES)
+            raise ConfigError(f"{env_name('kv_cache_dtype')} must be {choices}, got {self.kv_cache_dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"{env_name('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -224,6 +229,8 @@ OPTION_HELP = {
     "dtype": "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
     "quantization": "fp8: the layers' linear weights in float8 e4m3 with a scale per output row, "
     "quantized at load (half the weight bytes; default: the checkpoint's dtype)",
+    "kv_cache_dtype": "auto (the K/V cache in --dtype) or fp8: float8 e4m3, saturated at +-448, for half "
+    "the KV bytes a token (twice the tokens in the pool; attention reads half as much)",
     "device": "auto, cpu, cuda or cuda:N",
     "max_num_seqs": "requests holding KV at once: rows per engine step",
     "max_num_batched_tokens": "tokens per engine step, prompt chunks included",

@@ -51,13 +51,14 @@ class GpuRunner:
         keep_logits: bool = False,
         use_graphs: bool = True,
         cascade: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ):
         cfg = model.config
         self.model, self.cfg, self.device = model, cfg, device
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
-        self.kv_cache = allocate_kv_cache(cfg, num_blocks * block_size, dtype, device)
-        self.attn = TritonPagedAttention(self.kv_cache, block_size, cfg.rope_theta, max_model_len)
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks * block_size, kv_dtype or dtype, device)
+        self.attn = TritonPagedAttention(self.kv_cache, block_size, cfg.rope_theta, max_model_len, dtype)
         self.sampler = Sampler(vocab_limit, device, seed, fused=True)
         self.keep_logits = keep_logits
         self.use_graphs = use_graphs and device.type == "cuda"
@@ -251,7 +252,8 @@ class GpuRunner:
             # The real block-table rows (their stride is part of the compiled variant: Triton
             # specializes integer arguments equal to 1 or divisible by 16).
             bt = self.i32.dev["bt"][:rows]
-            q = torch.zeros(tokens, cfg.num_attention_heads, cfg.head_dim, dtype=kc.dtype, device=self.device)
+            q = torch.zeros(tokens, cfg.num_attention_heads, cfg.head_dim, dtype=self.attn.dtype,
+                            device=self.device)  # fmt: skip
             # Rows of length 0: nothing is read or written, but the launch compiles the variant (with and
             # without the shared-prefix launch, as _forward runs them).
             for casc in self._variants((rows, tokens, q_len)):
