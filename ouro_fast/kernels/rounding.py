@@ -24,7 +24,7 @@ def round_to(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
         return x.to(DTYPE)
 
 
-FP8_MAX: tl.constexpr = 448.0  # float8 e4m3's largest finite value
+FP8_MAX = tl.constexpr(448.0)  # float8 e4m3's largest finite value
 
 
 @triton.jit
