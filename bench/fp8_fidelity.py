@@ -8,7 +8,8 @@ with fp32's:
   with depth);
 - mean KL(fp32 || variant) of the full-depth next-token distributions, in nats;
 - exit agreement: the same exit loop under `--exit-threshold` (from the four gate logits).
-Variants: bf16 (weights and activations) and fp8 (FP8 weights, bf16 activations). Memory: the weight
+Variants: bf16 (weights and activations), fp8 (FP8 weights, bf16 activations) and fp8-kv (bf16 weights
+and activations, the K/V cache in float8 e4m3 as kv_cache_dtype "fp8" holds it). Memory: the weight
 bytes of each, and the KV tokens (at every loop) the FP8 savings buy at the checkpoint's KV layout.
 
     python -m bench.fp8_fidelity --preset ouro-1.4b --device cuda     # a random-weight Ouro-1.4B
@@ -35,7 +36,13 @@ from ouro_fast.model.quantization import weight_bytes
 from ouro_fast.model.weights import load_config, load_weights
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "fp8": (torch.bfloat16, "fp8")}
+# name: (activations' dtype, weight quantization, K/V cache dtype or None for the activations')
+VARIANTS = {
+    "fp32": (torch.float32, None, None),
+    "bf16": (torch.bfloat16, None, None),
+    "fp8": (torch.bfloat16, "fp8", None),
+    "fp8-kv": (torch.bfloat16, None, torch.float8_e4m3fn),
+}
 
 
 def load(model_dir: Path, dtype: torch.dtype, quantization: str | None, device: str) -> OuroForCausalLM:
@@ -48,11 +55,11 @@ def load(model_dir: Path, dtype: torch.dtype, quantization: str | None, device: 
 
 
 @torch.inference_mode()
-def run(model: OuroForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def run(model: OuroForCausalLM, ids: torch.Tensor, kv_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each loop's logits [loops, P, vocab] (fp32) and gate logits [loops, P] of the teacher-forced ids."""
     cfg = model.config
     n, loops = ids.shape[0], cfg.total_ut_steps
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = kv_dtype or model.model.embed_tokens.weight.dtype
     attn = ContiguousAttention(loops, cfg.num_hidden_layers, n, cfg.num_key_value_heads, cfg.head_dim,
                                dtype, ids.device)  # fmt: skip
     positions = torch.arange(n, device=ids.device)
@@ -105,16 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(0, vocab, (args.positions,), generator=torch.Generator().manual_seed(args.seed))
         ids = ids.to(args.device)
         outputs, sizes, seconds = {}, {}, {}
-        for name, (dtype, quantization) in VARIANTS.items():
+        for name, (dtype, quantization, kv_dtype) in VARIANTS.items():
             t0 = time.perf_counter()
             model = load(model_dir, dtype, quantization, args.device)
             sizes[name] = weight_bytes(model)
-            outputs[name] = run(model, ids)
+            outputs[name] = run(model, ids, kv_dtype)
             seconds[name] = time.perf_counter() - t0
             del model
     rows = {
         name: compare(outputs["fp32"], outputs[name], vocab, args.exit_threshold, cfg)
-        for name in ("bf16", "fp8")
+        for name in ("bf16", "fp8", "fp8-kv")
     }
     saved = sizes["bf16"] - sizes["fp8"]
     report = {

@@ -55,7 +55,7 @@ class ContiguousAttention:
     """One sequence, one contiguous K/V tensor per (loop, layer) plane: the simplest backend.
 
     Set `loop` and `start` before each model call; the call's tokens are positions
-    start..start+N-1, all at that loop.
+    start..start+N-1, all at that loop. dtype is the cache's: the activations' or float8 e4m3.
     """
 
     def __init__(self, num_loops, num_layers, max_len, num_kv_heads, head_dim, dtype, device):
@@ -67,8 +67,8 @@ class ContiguousAttention:
 
     def __call__(self, layer_idx, q, k, v):
         end = self.start + q.shape[0]
-        self.k[self.loop, layer_idx, self.start : end] = k
-        self.v[self.loop, layer_idx, self.start : end] = v
+        self.k[self.loop, layer_idx, self.start : end] = to_cache_dtype(k, self.k.dtype)
+        self.v[self.loop, layer_idx, self.start : end] = to_cache_dtype(v, self.v.dtype)
         kp, vp = self.k[self.loop, layer_idx, :end], self.v[self.loop, layer_idx, :end]
         return causal_attend(q, kp, vp, self.start)
 
