@@ -91,21 +91,20 @@ def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_n
     A tile wholly at or beyond end changes nothing (its scores are -inf: alpha 1, p 0)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < end
-    k, v = k.to(tl.float32), v.to(tl.float32)
     if SUBSTITUTE:  # noqa: SIM102 (without it, new_pos is None: the inner test must not be built)
         # A uniform branch: only the one tile that holds new_pos pays for the selects.
         if (new_pos >= n0) & (new_pos < n0 + BLOCK_N):
             is_new = (offs_n == new_pos)[:, None]
-            k = tl.where(is_new, k_new.to(tl.float32), k)
-            v = tl.where(is_new, v_new.to(tl.float32), v)
+            k = tl.where(is_new, k_new, k)
+            v = tl.where(is_new, v_new, v)
     # The query sees every key up to its own position: only the slice end masks.
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale_log2
+    s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale_log2
     s = tl.where(n_valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
     return m_new, l_i, acc
 
 
