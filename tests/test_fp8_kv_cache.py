@@ -2,7 +2,11 @@
 rounding, and every kernel that writes or reads it against the same kernel over the cache widened
 back to the activations' dtype (or against the three-launch decode, itself tested against float64)."""
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,3 +206,53 @@ def test_the_server_option_is_checked_and_reaches_the_engine():
     assert config.engine_options()["kv_cache_dtype"] == "fp8"
     with pytest.raises(ConfigError, match="OURO_FAST_KV_CACHE_DTYPE must be auto or fp8"):
         ServerConfig.from_env({"OURO_FAST_KV_CACHE_DTYPE": "int8"})
+
+
+COMPILE_WALK = """
+import json, sys
+sys.path[:0] = [ROOT, ROOT + "/tests"]
+import torch
+import offline_compile as oc
+from ouro_fast.kernels.precompile import precompile
+
+oc.install()
+from ouro_fast.kernels import (fused_decode_attention, paged_attention, paged_decode_attention, propagate_kv,
+                               rope_cos_sin_table, rope_write_kv)
+from ouro_fast.kernels.cascade_attention import SharedPrefixes
+
+def walk():
+    i32, i64, bf = torch.int32, torch.int64, torch.bfloat16
+    n, h, d, bs = 4, 16, 128, 16
+    for cache in (bf, torch.float8_e4m3fn):
+        q, k, v = (torch.zeros(n, h, d, dtype=bf) for _ in range(3))
+        kc, vc = (torch.zeros(64, h, d, dtype=cache) for _ in range(2))
+        meta = (torch.zeros(n, 4, dtype=i32), torch.zeros(n, dtype=i32), torch.ones(n, dtype=i32),
+                torch.arange(n, dtype=i32))
+        slots, pos = torch.arange(n, dtype=i64), torch.arange(n, dtype=i64)
+        cos_sin = rope_cos_sin_table(64, d, 1e4)
+        pre = SharedPrefixes(torch.zeros(n, dtype=i32), torch.tensor([16], dtype=i32))
+        fused_decode_attention(q, k, v, kc, vc, slots, pos, cos_sin, *meta, bs)
+        fused_decode_attention(q, k, v, kc, vc, slots, pos, cos_sin, *meta, bs, prefixes=pre)
+        rope_write_kv(q, k, v, kc, vc, slots, pos, cos_sin)
+        paged_decode_attention(q, kc, vc, *meta, bs)
+        paged_attention(q, kc, vc, *meta, bs, 4)
+        paged_attention(q, kc, vc, *meta, bs, 1, prefixes=pre)
+        propagate_kv(torch.zeros(2, 2, 64, h, d, dtype=cache), slots, slots + 8)
+
+print(json.dumps({"compiled": precompile(walk, threads=2)}))
+"""
+
+
+def test_every_kernel_on_the_cache_compiles_for_hopper_with_either_cache(tmp_path):
+    # The interpreter runs the kernels as Python; this compiles them (ptxas included) for sm_90, where the
+    # code generator refuses what the interpreter lets pass. bf16 and FP8 caches compile different variants.
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "walk.py"  # triton reads a kernel's source from its file
+    script.write_text(f"ROOT = {str(root)!r}\n" + COMPILE_WALK)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    env.update(CUDA_VISIBLE_DEVICES="", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])["compiled"]
+    assert compiled >= 14  # seven launches for each cache dtype, a distinct variant each (some two kernels)
