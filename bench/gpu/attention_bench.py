@@ -3,8 +3,7 @@
 Every row has the same context; its blocks are scattered over the cache as the engine's are. Each case is
 captured as a CUDA graph of 24 calls (a loop's layers) and replayed; the figure is microseconds a call and
 the K/V bandwidth it reaches. `default` marks the configuration decode_config picks for the shape (block
-tables as wide as --max-model-len); --block-n and --warps try other key tiles and warps a program, --key-lanes
-and --kv-ahead the kernel's per-lane softmax and its loads a tile ahead.
+tables as wide as --max-model-len); --block-n and --warps try other key tiles and warps a program.
 
     python3 -P bench/gpu/attention_bench.py [--rows 16 32 128] [--contexts 160 1152] [--splits 1 2 4 8]
 
@@ -114,8 +113,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="(0: decode_config's)")
     ap.add_argument("--block-n", type=int, nargs="+", default=[0], help="key tile (0: decode_config's)")
     ap.add_argument("--warps", type=int, nargs="+", default=[0], help="warps a program (0: decode_config's)")
-    ap.add_argument("--key-lanes", type=int, nargs="+", default=[-1], help="KEY_LANES 0/1 (-1: default)")
-    ap.add_argument("--kv-ahead", type=int, nargs="+", default=[-1], help="KV_AHEAD 0/1 (-1: default)")
     ap.add_argument("--max-model-len", type=int, default=65536)
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--prefix", type=int, default=0, help="positions shared by a group's rows (0: no groups)")
@@ -136,14 +133,11 @@ def main(argv: list[str] | None = None) -> None:
             inputs = case(rows, context, a.max_model_len)
             default = decode_config(rows, HKV, HQ // HKV, D, a.max_model_len)
             kv_bytes = 2 * rows * context * HKV * D * 2
-            grid = itertools.product(a.splits, a.block_n, a.warps, a.key_lanes, a.kv_ahead)
-            for splits, block_n, warps, lanes, ahead in grid:
+            for splits, block_n, warps in itertools.product(a.splits, a.block_n, a.warps):
                 cfg = {
                     "NUM_SPLITS": splits or default["NUM_SPLITS"],
                     "BLOCK_N": block_n or default["BLOCK_N"],
                     "num_warps": warps or default["num_warps"],
-                    "KEY_LANES": default["KEY_LANES"] if lanes < 0 else bool(lanes),
-                    "KV_AHEAD": default["KV_AHEAD"] if ahead < 0 else bool(ahead),
                 }
                 us = time_us(inputs, cfg, a.replays)
                 row = {"rows": rows, "context": context, **cfg, "default": cfg == default}

@@ -7,9 +7,8 @@ count (`--quantization fp8`: with FP8 layer weights; `--kv-cache-dtype fp8`: the
 e4m3). `--prefill-tokens T ...` times a loop over a step that carries a prompt instead: `--prefill-lanes`
 decode rows and one `--prompt`-token prompt, padded to T tokens and 64 rows as the runner pads a riders'
 step (engine/gpu/riders.py), and the loop's cuBLAS matmuls alone at T rows.
-`--attn-config SPLITS:BLOCK_N[:WARPS[:KEY_LANES:KV_AHEAD]] ...` times the loop again with the decode
-attention's split count, tile width (and warps, and its two flags as 0 / 1) forced, 0 keeping decode_config's
-split count, tile or warps (decode_config patched, in this process only). `--host-replay` adds each
+`--attn-config SPLITS:BLOCK_N[:WARPS] ...` times the loop again with the decode attention's split count,
+tile width (and warps) forced (decode_config patched, in this process only). `--host-replay` adds each
 graph's host time a replay() call takes, the GPU idle and busy (replay_timing.host_replay_us).
 `--profile` adds, for each row count and step, the GPU time a loop spends in each kernel (torch profiler
 over the replays; under PDL neighbouring kernels overlap, so the sum can exceed the loop's time).
@@ -106,7 +105,7 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[], help="padded step tokens to time")
     ap.add_argument("--prefill-lanes", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N[:WARPS[:LANES:AHEAD]]")
+    ap.add_argument("--attn-config", nargs="*", default=[], help="SPLITS:BLOCK_N[:WARPS] settings to time")
     ap.add_argument("--host-replay", action="store_true", help="also the host time of graph.replay()")
     ap.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the layers' weights")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: bf16")
@@ -183,11 +182,9 @@ def kv_cache(shape, kv_cache_dtype: str) -> torch.Tensor:
 
 
 def _forced(default, setting: str):
-    # SPLITS:BLOCK_N[:WARPS[:KEY_LANES:KV_AHEAD]]: the later values forced too when given (flags 0 / 1).
+    # SPLITS:BLOCK_N[:WARPS]: a warp count forced too when given.
     vals = [int(v) for v in setting.split(":")]
-    keys = ("NUM_SPLITS", "BLOCK_N", "num_warps", "KEY_LANES", "KV_AHEAD")
-    forced = {k: v for k, v in zip(keys, vals) if v or k in keys[3:]}  # 0 splits, tile or warps: the default
-    forced.update({k: bool(forced[k]) for k in ("KEY_LANES", "KV_AHEAD") if k in forced})
+    forced = dict(zip(("NUM_SPLITS", "BLOCK_N", "num_warps"), vals))
     return lambda *shape: {**default(*shape), **forced}
 
 

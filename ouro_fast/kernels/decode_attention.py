@@ -188,8 +188,6 @@ def _fused_decode_kernel(
     USE_PDL: tl.constexpr,
     EARLY_KV: tl.constexpr,
     SLOTS_AHEAD: tl.constexpr,
-    KEY_LANES: tl.constexpr,
-    KV_AHEAD: tl.constexpr,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: out's).
@@ -245,8 +243,7 @@ def _fused_decode_kernel(
     new_pos = tl.where(slot >= 0, q_pos, -1)
     m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
                                  stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
-                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0, SLOTS_AHEAD, KEY_LANES,
-                                 KV_AHEAD)  # fmt: skip
+                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0, SLOTS_AHEAD)  # fmt: skip
     # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
     # the last split, after its loop, so that under the interpreter (programs run in grid order)
     # every read of the launch precedes the write and the tests prove that none depends on it.

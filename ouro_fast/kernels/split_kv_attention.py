@@ -27,8 +27,6 @@ from .rounding import round_to
 from .tuning import (
     INTERPRETER_MAX_SPLITS,
     SPLIT_KV_BLOCK_N,
-    SPLIT_KV_KEY_LANES,
-    SPLIT_KV_KV_AHEAD,
     SPLIT_KV_MAX_SPLITS,
     SPLIT_KV_MERGE_ONE_WARP,
     SPLIT_KV_MIN_SPLITS,
@@ -88,13 +86,9 @@ def load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_k
 
 @triton.jit
 def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new, BLOCK_N: tl.constexpr,
-                SUBSTITUTE: tl.constexpr, KEY_LANES: tl.constexpr = False):  # fmt: skip
+                SUBSTITUTE: tl.constexpr):  # fmt: skip
     """One online-softmax update of (m_i, l_i, acc) by the tile of positions [n0, n0 + BLOCK_N) below end.
-    A tile wholly at or beyond end changes nothing (its scores are -inf: alpha 1, p 0).
-
-    KEY_LANES: m_i, l_i [G, BLOCK_N] and acc [G, BLOCK_N, D]: each key lane of the tile keeps its own running
-    softmax (lane_totals combines them once, after the slice), so a tile needs no sum across warps.
-    """
+    A tile wholly at or beyond end changes nothing (its scores are -inf: alpha 1, p 0)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < end
     if k.dtype == tl.float8e4nv:  # an FP8 cache: widened before any select (bf16 tiles stay as they are)
@@ -110,36 +104,19 @@ def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_n
     # The query sees every key up to its own position: only the slice end masks.
     s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale_log2
     s = tl.where(n_valid[None, :], s, float("-inf"))
-    if KEY_LANES:
-        m_new = tl.maximum(m_i, s)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, :, None] + p[:, :, None] * v.to(tl.float32)[None, :, :]
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
     return m_new, l_i, acc
-
-
-@triton.jit
-def lane_totals(m_i, l_i, acc):
-    """The slice's (m [G], l [G], acc [G, D]) from KEY_LANES' per-lane running softmaxes."""
-    m = tl.max(m_i, axis=1)
-    # A lane that saw no key keeps m = -1e30: weight 0 beside a lane that did, and l = 0 either way.
-    w = tl.exp2(m_i - m[:, None])
-    return m, tl.sum(l_i * w, axis=1), tl.sum(acc * w[:, :, None], axis=1)
 
 
 @triton.jit
 def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, stride_ks, stride_kh,
                  stride_vs, stride_vh, new_pos, k_new, v_new, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SUBSTITUTE: tl.constexpr, k0=None, v0=None, SLOTS_AHEAD: tl.constexpr = True,
-                 KEY_LANES: tl.constexpr = False, KV_AHEAD: tl.constexpr = False):  # fmt: skip
+                 SUBSTITUTE: tl.constexpr, k0=None, v0=None, SLOTS_AHEAD: tl.constexpr = True):  # fmt: skip
     """Online softmax of q [GROUP_P2, D_P2] (fp32) over positions [start, end); returns (m, l, acc).
 
     With SUBSTITUTE, the key and value at position new_pos are k_new, v_new [1, D_P2] (cache
@@ -147,40 +124,18 @@ def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, s
     k0, v0: the first tile (positions [start, start + BLOCK_N)) already loaded by load_kv_tile, e.g. before
     a PDL wait; the same updates in the same order as loading it here.
     SLOTS_AHEAD: each tile's cache slots are read in the iteration before (the same arithmetic).
-    KEY_LANES: a running softmax per key lane, combined after the last tile (attend_tile).
-    KV_AHEAD (with SLOTS_AHEAD): each tile's keys and values are loaded in the iteration before, so their
-    reads overlap the tile before's arithmetic (the same arithmetic).
     """
     # Finite stand-in for -inf: an empty slice keeps it, and the merge weighs it exp2(-1e30 - m) = 0.
-    if KEY_LANES:
-        m_i = tl.full([GROUP_P2, BLOCK_N], -1.0e30, tl.float32)
-        l_i = tl.zeros([GROUP_P2, BLOCK_N], tl.float32)
-        acc = tl.zeros([GROUP_P2, BLOCK_N, D_P2], tl.float32)
-    else:
-        m_i = tl.full([GROUP_P2], -1.0e30, tl.float32)
-        l_i = tl.zeros([GROUP_P2], tl.float32)
-        acc = tl.zeros([GROUP_P2, D_P2], tl.float32)
+    m_i = tl.full([GROUP_P2], -1.0e30, tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, D_P2], tl.float32)
     first = start
     if k0 is not None:
         m_i, l_i, acc = attend_tile(q, k0, v0, start, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
-                                    BLOCK_N, SUBSTITUTE, KEY_LANES)  # fmt: skip
+                                    BLOCK_N, SUBSTITUTE)  # fmt: skip
         first = start + BLOCK_N
     # An empty slice (start >= kv_len) runs no iteration and leaves m = -1e30, l = 0.
-    if SLOTS_AHEAD and KV_AHEAD:
-        # Tile i's keys and values, and tile i + 1's slots, are in flight while tile i - 1 is computed.
-        slot = tile_slots(bt_row_ptr, first, end, PAGE, BLOCK_N, "")
-        k, v = load_kv_slots(k_ptr, v_ptr, slot, kv_head, first, end, stride_ks, stride_kh, stride_vs,
-                             stride_vh, HEAD_DIM, D_P2, BLOCK_N, "")  # fmt: skip
-        slot = tile_slots(bt_row_ptr, first + BLOCK_N, end, PAGE, BLOCK_N, "")
-        for n0 in range(first, end, BLOCK_N):
-            k_next, v_next = load_kv_slots(k_ptr, v_ptr, slot, kv_head, n0 + BLOCK_N, end, stride_ks,
-                                           stride_kh, stride_vs, stride_vh, HEAD_DIM, D_P2, BLOCK_N,
-                                           "")  # fmt: skip
-            slot = tile_slots(bt_row_ptr, n0 + 2 * BLOCK_N, end, PAGE, BLOCK_N, "")
-            m_i, l_i, acc = attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
-                                        BLOCK_N, SUBSTITUTE, KEY_LANES)  # fmt: skip
-            k, v = k_next, v_next
-    elif SLOTS_AHEAD:
+    if SLOTS_AHEAD:
         # Each tile's slots come from the iteration before, so its K/V loads wait on no table load.
         slot = tile_slots(bt_row_ptr, first, end, PAGE, BLOCK_N, "")
         for n0 in range(first, end, BLOCK_N):
@@ -188,15 +143,13 @@ def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, s
                                  stride_vh, HEAD_DIM, D_P2, BLOCK_N, "")  # fmt: skip
             slot = tile_slots(bt_row_ptr, n0 + BLOCK_N, end, PAGE, BLOCK_N, "")
             m_i, l_i, acc = attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
-                                        BLOCK_N, SUBSTITUTE, KEY_LANES)  # fmt: skip
+                                        BLOCK_N, SUBSTITUTE)  # fmt: skip
     else:
         for n0 in range(first, end, BLOCK_N):
             k, v = load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs,
                                 stride_vh, HEAD_DIM, D_P2, PAGE, BLOCK_N, "")  # fmt: skip
             m_i, l_i, acc = attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
-                                        BLOCK_N, SUBSTITUTE, KEY_LANES)  # fmt: skip
-    if KEY_LANES:
-        m_i, l_i, acc = lane_totals(m_i, l_i, acc)
+                                        BLOCK_N, SUBSTITUTE)  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -297,8 +250,6 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     USE_PDL: tl.constexpr,
-    KEY_LANES: tl.constexpr,
-    KV_AHEAD: tl.constexpr,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     row = tl.program_id(0)
@@ -325,8 +276,7 @@ def _decode_split_kernel(
     # SUBSTITUTE False: every key and value comes from the cache (no new_pos, k_new, v_new).
     m_i, l_i, acc = attend_slice(q, k_ptr, v_ptr, bt_ptr + row * stride_bt, kv_head, start, end, scale_log2,
                                  stride_ks, stride_kh, stride_vs, stride_vh, None, None, None, GROUP_P2,
-                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, False, KEY_LANES=KEY_LANES,
-                                 KV_AHEAD=KV_AHEAD)  # fmt: skip
+                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, False)  # fmt: skip
     if NUM_SPLITS == 1:
         store_normalised(
             o_ptr, tok, head, g_valid, stride_on, stride_oh, acc, l_i, HEAD_DIM, D_P2, INTERPRETED
@@ -374,8 +324,7 @@ def _decode_merge_kernel(
 
 
 def decode_config(rows: int, kv_heads: int, group: int, head_dim: int, max_context: int) -> dict:
-    """NUM_SPLITS, BLOCK_N, num_warps, KEY_LANES and KV_AHEAD of a launch: a pure function of fixed shapes,
-    never of contexts.
+    """NUM_SPLITS, BLOCK_N and num_warps of a launch: a pure function of fixed shapes, never of contexts.
 
     Splits aim at about tuning.SPLIT_KV_PROGRAMS programs from rows x KV heads x splits, clamped
     to tuning's range; past the row counts that range was measured at, tuning.SPLIT_KV_WIDE's. They never
@@ -388,8 +337,7 @@ def decode_config(rows: int, kv_heads: int, group: int, head_dim: int, max_conte
     if row_heads > SPLIT_KV_WIDE_FROM:
         splits = next(s for limit, s in SPLIT_KV_WIDE if limit is None or row_heads <= limit)
     num_splits = max(1, min(splits, next_pow2(triton.cdiv(max_context, block_n))))
-    return {"NUM_SPLITS": num_splits, "BLOCK_N": block_n, "num_warps": SPLIT_KV_WARPS,
-            "KEY_LANES": SPLIT_KV_KEY_LANES, "KV_AHEAD": SPLIT_KV_KV_AHEAD}  # fmt: skip
+    return {"NUM_SPLITS": num_splits, "BLOCK_N": block_n, "num_warps": SPLIT_KV_WARPS}
 
 
 def launch_config(rows: int, kv_heads: int, group: int, head_dim: int, max_context: int, config) -> dict:

@@ -122,10 +122,6 @@ SPLIT_KV_PROGRAMS = 1024
 # 8 splits cost 1-19% more than the best; 16-key tiles on two warps stayed best there too.
 SPLIT_KV_WIDE_FROM = 256
 SPLIT_KV_WIDE = ((512, 2), (1024, 1), (2048, 4), (None, 2))
-# A running softmax per key lane of a tile, combined once a slice (attend_tile's KEY_LANES), and each tile's
-# keys and values loaded an iteration ahead (attend_slice's KV_AHEAD).
-SPLIT_KV_KEY_LANES = False
-SPLIT_KV_KV_AHEAD = False
 # The merge kernel: one warp up to this many partial values a head (splits x head_dim), else four.
 SPLIT_KV_MERGE_ONE_WARP = 2048
 # Splits at most under the CPU interpreter without a config: most of 8-16 slices of a test's short context
