@@ -3,7 +3,8 @@
 Every row has the same context; its blocks are scattered over the cache as the engine's are. Each case is
 captured as a CUDA graph of 24 calls (a loop's layers) and replayed; the figure is microseconds a call and
 the K/V bandwidth it reaches. `default` marks the configuration decode_config picks for the shape (block
-tables as wide as --max-model-len); --block-n and --warps try other key tiles and warps a program.
+tables as wide as --max-model-len); --block-n and --warps try other key tiles and warps a program;
+--kv-cache-dtype fp8 draws the cache in float8 e4m3 (the K/V bandwidth then counts its one-byte values).
 
     python3 -P bench/gpu/attention_bench.py [--rows 16 32 128] [--contexts 160 1152] [--splits 1 2 4 8]
 
@@ -33,8 +34,10 @@ from replay_timing import capture, replay_ms  # noqa: E402
 HQ, HKV, D, PAGE, LAYERS = 16, 16, 128, 16, 24  # Ouro-1.4B's attention; the engine's block size
 
 
-def case(rows: int, context: int, max_model_len: int, dtype=torch.bfloat16, dev: str = "cuda") -> dict:
-    """Inputs of one decode step: row r's token at position context - 1, its K/V slot written."""
+def case(rows: int, context: int, max_model_len: int, dtype=torch.bfloat16, dev: str = "cuda",
+         cache_dtype=None) -> dict:  # fmt: skip
+    """Inputs of one decode step: row r's token at position context - 1, its K/V slot written; the cache in
+    cache_dtype (dtype's by default)."""
     need = -(-context // PAGE)
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(rows * need, generator=g)
@@ -47,8 +50,8 @@ def case(rows: int, context: int, max_model_len: int, dtype=torch.bfloat16, dev:
     cache = rows * need * PAGE
     return dict(
         q=q.view(rows, HQ, D), k=k.view(rows, HKV, D), v=v.view(rows, HKV, D),
-        k_cache=torch.randn(cache, HKV, D, generator=g).to(dev, dtype),
-        v_cache=torch.randn(cache, HKV, D, generator=g).to(dev, dtype),
+        k_cache=torch.randn(cache, HKV, D, generator=g).to(dev, cache_dtype or dtype),
+        v_cache=torch.randn(cache, HKV, D, generator=g).to(dev, cache_dtype or dtype),
         slot_mapping=slots.to(dev), positions=torch.full((rows,), pos, dtype=torch.int64, device=dev),
         cos_sin=rope_cos_sin_table(max_model_len, D, 10000.0, dev), block_tables=tables.to(dev),
         row_q_start=torch.full((rows,), pos, dtype=torch.int32, device=dev),
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="(0: decode_config's)")
     ap.add_argument("--block-n", type=int, nargs="+", default=[0], help="key tile (0: decode_config's)")
     ap.add_argument("--warps", type=int, nargs="+", default=[0], help="warps a program (0: decode_config's)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: bf16")
     ap.add_argument("--max-model-len", type=int, default=65536)
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--prefix", type=int, default=0, help="positions shared by a group's rows (0: no groups)")
@@ -130,9 +134,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     for rows in a.rows:
         for context in a.contexts:
-            inputs = case(rows, context, a.max_model_len)
+            fp8 = a.kv_cache_dtype == "fp8"
+            inputs = case(rows, context, a.max_model_len, cache_dtype=torch.float8_e4m3fn if fp8 else None)
             default = decode_config(rows, HKV, HQ // HKV, D, a.max_model_len)
-            kv_bytes = 2 * rows * context * HKV * D * 2
+            kv_bytes = 2 * rows * context * HKV * D * (1 if fp8 else 2)
             for splits, block_n, warps in itertools.product(a.splits, a.block_n, a.warps):
                 cfg = {
                     "NUM_SPLITS": splits or default["NUM_SPLITS"],
@@ -140,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
                     "num_warps": warps or default["num_warps"],
                 }
                 us = time_us(inputs, cfg, a.replays)
-                row = {"rows": rows, "context": context, **cfg, "default": cfg == default}
+                row = {"rows": rows, "context": context, "kv_cache_dtype": a.kv_cache_dtype, **cfg,
+                       "default": cfg == default}  # fmt: skip
                 tb_s = round(kv_bytes / us / 1e6, 2)
                 print(json.dumps({**row, "us": round(us, 2), "kv_tb_s": tb_s}), flush=True)
 
