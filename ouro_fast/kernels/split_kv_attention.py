@@ -92,9 +92,10 @@ def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_n
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < end
     if k.dtype == tl.float8e4nv:  # an FP8 cache: widened before any select (bf16 tiles stay as they are)
-        k, v = k.to(tl.float32), v.to(tl.float32)
+        # To fp16, exactly (e4m3 lies within its range and mantissa): one packed conversion a pair of values.
+        k, v = k.to(tl.float16), v.to(tl.float16)
         if SUBSTITUTE:
-            k_new, v_new = k_new.to(tl.float32), v_new.to(tl.float32)
+            k_new, v_new = k_new.to(tl.float16), v_new.to(tl.float16)
     if SUBSTITUTE:  # noqa: SIM102 (without it, new_pos is None: the inner test must not be built)
         # A uniform branch: only the one tile that holds new_pos pays for the selects.
         if (new_pos >= n0) & (new_pos < n0 + BLOCK_N):
