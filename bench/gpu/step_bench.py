@@ -1,8 +1,8 @@
 """The GPU time of one captured decode loop (run_loop_fused), without the engine.
 
 Builds the ouro-1.4b preset in memory (random bf16 weights; no checkpoint to write), a
-paged KV cache with every row at context ~`--context`, and times one loop over all
-layers captured in a CUDA graph (CUDA events over `--replays` replays) at each row
+paged KV cache with every row at context ~`--context` (row r at context + r, at most 1,024),
+and times one loop over all layers captured in a CUDA graph (CUDA events over `--replays` replays) at each row
 count (`--quantization fp8`: with FP8 layer weights; `--kv-cache-dtype fp8`: the K/V cache in float8
 e4m3). `--prefill-tokens T ...` times a loop over a step that carries a prompt instead: `--prefill-lanes`
 decode rows and one `--prompt`-token prompt, padded to T tokens and 64 rows as the runner pads a riders'
@@ -40,6 +40,9 @@ from ouro_fast.model.triton_loop import linear, run_loop_fused
 
 sys.path.insert(0, str(Path(__file__).parent))  # replay_timing, next to this file
 from replay_timing import capture, host_replay_us, kernel_us, replay_ms  # noqa: E402
+
+# The engine's block size, and blocks a row: every row's cache slots are its own.
+PAGE, MAX_BLOCKS = 16, 64
 
 
 def build(preset: str) -> OuroForCausalLM:
@@ -112,10 +115,12 @@ def main() -> None:
     ap.add_argument("--tc-max-rows", type=int, nargs="*", default=[], help="tensor-core row limits to time")
     ap.add_argument("--profile", action="store_true", help="also the GPU time a loop spends in each kernel")
     args = ap.parse_args()
+    if args.context + max(args.rows) > MAX_BLOCKS * PAGE:  # row r decodes position context + r
+        ap.error(f"--context plus the most --rows must be at most {MAX_BLOCKS * PAGE} (block tables)")
     model = build(args.preset)
     model.quantize(None if args.quantization == "none" else args.quantization)
     torch.cuda.empty_cache()
-    cfg, page, max_blocks = model.config, 16, 64
+    cfg, page, max_blocks = model.config, PAGE, MAX_BLOCKS
     weights = sum(
         t.nbytes if isinstance(t, Fp8Weight) else t.numel() * t.element_size()
         for layer in model.model.layers
