@@ -108,6 +108,7 @@ class ServerProcess:
         if self._log_text is None:
             self._log_text = self.log()
             os.unlink(self.log_path)
+            print(f"--- the server's output ({self.url}) ---\n{self._log_text}")  # pytest shows it on failure
         return self.proc.returncode
 
     def metrics(self) -> dict[str, float]:

@@ -156,6 +156,41 @@ def test_sigterm_drains_before_admission_stops():
     assert "Traceback" not in srv.log()
 
 
+def test_a_second_signal_aborts_in_flight_requests_at_once():
+    """With a long grace period, a second SIGTERM ends it: the stream in flight is aborted with a clean
+    end of stream and the process exits 0 well before the grace would have run out."""
+    srv = ServerProcess("cli", {"OURO_FAST_SHUTDOWN_GRACE": "600", "OURO_FAST_NUM_KV_BLOCKS": "1024"})
+    try:
+        srv.wait_ready()
+        started, result = threading.Event(), {}
+
+        def run() -> None:
+            body = {"model": MODEL, "prompt": "long", "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            result["long"] = bench_stream(srv.url + "/v1/completions", body, on_first_chunk=started.set)
+
+        stream = threading.Thread(target=run)
+        stream.start()
+        assert started.wait(60)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert srv.proc.poll() is None and stream.is_alive(), "the stream ended before the second signal"
+        signalled = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        stream.join(60)
+        assert srv.proc.wait(60) == 0
+        assert time.monotonic() - signalled < 30
+    finally:
+        srv.stop()
+    long = result["long"]
+    assert long.done and long.error is None
+    assert long.text_chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert 0 < long.usage["completion_tokens"] < 2000
+    log = srv.log()
+    assert "a second stop signal" in log and "aborting 1 requests still in flight" in log
+    assert "Traceback" not in log
+
+
 def test_make_checkpoint_does_not_import_the_server():
     import subprocess
     import sys

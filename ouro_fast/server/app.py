@@ -2,7 +2,8 @@
 
 Importing this module is cheap (no torch, no model): Sanic imports it in its
 main process too. The engine is built by the owner thread, started in the
-worker's before_server_start listener, and shut down in before_server_stop.
+worker's before_server_start listener, and shut down on SIGINT/SIGTERM while the loop still serves
+(or in before_server_stop when the server stops itself).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hmac
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -129,12 +131,48 @@ def bound_connections(app: Sanic, config: ServerConfig) -> None:
         )
 
 
-@app.before_server_stop
-async def stop_engine(app: Sanic) -> None:
+@app.after_server_start
+async def take_over_stop_signals(app: Sanic) -> None:
+    # Sanic stops the loop on SIGINT/SIGTERM and runs its stop listeners after it; draining here instead,
+    # on the running loop, keeps the listener and every stream served until the engine has stopped.
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _on_stop_signal, app)
+
+
+def _on_stop_signal(app: Sanic) -> None:
+    client = getattr(app.ctx, "client", None)
+    if client is not None and client.stop_requested:
+        client.hurry()  # a second signal: abort what is still in flight now
+        return
+    asyncio.ensure_future(_stop_then_exit(app))
+
+
+async def _stop_then_exit(app: Sanic) -> None:
+    await _stop_engine_once(app)
+    app.stop(terminate=False)
+
+
+def _stop_engine_once(app: Sanic) -> asyncio.Future:
+    """Drain, let requests finish, abort the rest and join the owner: once, whoever asks first."""
+    task = getattr(app.ctx, "engine_stop", None)
+    if task is None:
+        task = app.ctx.engine_stop = asyncio.ensure_future(_stop_engine(app))
+    return task
+
+
+async def _stop_engine(app: Sanic) -> None:
     client = getattr(app.ctx, "client", None)
     if client is not None:
+        client.stop_requested = True
         await client.drain(app.ctx.config.drain_delay)
         await client.shutdown(app.ctx.config.shutdown_grace)
+
+
+@app.before_server_stop
+async def stop_engine(app: Sanic) -> None:
+    # Already done after a signal; still needed when the server stops itself after an engine failure.
+    await asyncio.shield(_stop_engine_once(app))
 
 
 @app.on_request

@@ -121,6 +121,8 @@ class EngineClient:
         self.state = "loading"  # loading -> ready -> draining -> stopping; or failed
         self.error: str | None = None
         self.launch_epoch: float | None = None
+        self.stop_requested = False  # a stop signal arrived (or the server is stopping itself)
+        self._hurried = asyncio.Event()  # a second signal: skip what is left of the drain and the grace
         self._next_key = 1
         self._backlog: deque[tuple[int, int]] = deque()  # ABORT records that found the ring full
         self._retry: asyncio.TimerHandle | None = None
@@ -421,14 +423,24 @@ class EngineClient:
             return
         self.state = "draining"
         logger.info("shutdown: /health answers 503; still admitting requests for %.1fs", delay)
-        await asyncio.sleep(delay)
+        await self._wait_unless_hurried(delay)
+
+    def hurry(self) -> None:
+        """End the drain and the grace period now (a second SIGINT/SIGTERM)."""
+        if not self._hurried.is_set():
+            logger.info("shutdown: a second stop signal: aborting requests in flight now")
+            self._hurried.set()
+
+    async def _wait_unless_hurried(self, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._hurried.wait(), seconds)
 
     async def shutdown(self, grace: float, join_timeout: float = 30.0) -> None:
         """Stop admitting; let requests finish for `grace` seconds; abort the rest; join the owner."""
         if self.state in ("loading", "ready", "draining"):
             self.state = "stopping"
         deadline = self.loop.time() + grace
-        while self.handles and self.loop.time() < deadline:
+        while self.handles and self.loop.time() < deadline and not self._hurried.is_set():
             await asyncio.sleep(0.02)
         if self.handles:
             logger.info("shutdown: aborting %d requests still in flight", len(self.handles))
