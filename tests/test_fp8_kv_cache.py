@@ -26,6 +26,7 @@ from ouro_fast.kernels import (  # noqa: E402
     rope_cos_sin_table,
     rope_write_kv,
 )
+from ouro_fast.kernels.tuning import DECODE_ATTN_FP8_TO_FP32_ROWS  # noqa: E402
 from ouro_fast.model.attention import to_cache_dtype  # noqa: E402
 from ouro_fast.server.config import ConfigError, ServerConfig  # noqa: E402
 from tests.test_cascade_attention import shared_case  # noqa: E402
@@ -119,11 +120,18 @@ def fused_fp8(case, bs, config, out_dtype, **kw):
     return out, kc, vc
 
 
+# Up to tuning.DECODE_ATTN_FP8_TO_FP32_ROWS rows the fused kernel widens FP8 tiles to fp32, over it through
+# fp16; the three launches' decode always through fp16.
+ROW_LENS = {"6-rows": [1, 15, 0, 16, 17, 100], "12-rows": [1, 15, 0, 16, 17, 100, 3, 40, 9, 2, 33, 64]}
+
+
+@pytest.mark.parametrize("rows", list(ROW_LENS))
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_decode_on_an_fp8_cache_equals_three_launches(dtype, splits):
+def test_fused_decode_on_an_fp8_cache_equals_three_launches(dtype, splits, rows):
     # The fused kernel attends to its own K/V from registers: they must be the FP8 values the cache gets.
-    case = fp8_case(rope_case([1, 15, 0, 16, 17, 100], 4, 4, 2, 32, dtype, seed=7 + splits, no_write=(1,)))
+    assert (len(ROW_LENS[rows]) <= DECODE_ATTN_FP8_TO_FP32_ROWS) == (rows == "6-rows")
+    case = fp8_case(rope_case(ROW_LENS[rows], 4, 4, 2, 32, dtype, seed=7 + splits, no_write=(1,)))
     config = {"NUM_SPLITS": splits, "BLOCK_N": 16}
     got, kc, vc = fused_fp8(case, 4, config, dtype)
     expect, kc_ref, vc_ref = three_launches_fp8(case, 4, config)

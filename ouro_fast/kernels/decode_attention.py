@@ -60,7 +60,12 @@ from .split_kv_attention import (
     store_normalised,
     store_partial,
 )
-from .tuning import DECODE_ATTN_MAXNREG, DECODE_ATTN_MAXNREG_ROWS, DECODE_ATTN_PDL_ROW_HEADS_PER_SM
+from .tuning import (
+    DECODE_ATTN_FP8_TO_FP32_ROWS,
+    DECODE_ATTN_MAXNREG,
+    DECODE_ATTN_MAXNREG_ROWS,
+    DECODE_ATTN_PDL_ROW_HEADS_PER_SM,
+)
 
 # One counter per (row, KV head); 8192 covers 512 rows of 16 KV heads without growing.
 _MIN_COUNTERS = 8192
@@ -188,10 +193,12 @@ def _fused_decode_kernel(
     USE_PDL: tl.constexpr,
     EARLY_KV: tl.constexpr,
     SLOTS_AHEAD: tl.constexpr,
+    FP8_TO_FP32: tl.constexpr,
 ):
     # One program: one row, one KV head with its GROUP query heads, one slice of the context.
     # PARTS > 0: q, k, v are fp32 partial products, slot p at + p * stride_p (their own dtype: out's).
     # SLOTS_AHEAD: each key tile's cache slots are read in the iteration before (attend_slice).
+    # FP8_TO_FP32: an FP8 cache's tiles widen straight to fp32 (attend_tile).
     # PRE_SPLITS > 0: a row of a shared-prefix group attends from the prefix's end on, and its merge takes
     # the PRE_SPLITS partials that cascade_attention's launch before this one wrote for the prefix.
     DTYPE: tl.constexpr = o_ptr.dtype.element_ty  # the activations'; the cache may be FP8
@@ -243,7 +250,8 @@ def _fused_decode_kernel(
     new_pos = tl.where(slot >= 0, q_pos, -1)
     m_i, l_i, acc = attend_slice(q, kc_ptr, vc_ptr, bt_row, kv_head, start, end, scale_log2, stride_kcs,
                                  stride_kch, stride_vcs, stride_vch, new_pos, k_new, v_new, GROUP_P2,
-                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0, SLOTS_AHEAD)  # fmt: skip
+                                 HEAD_DIM, D_P2, PAGE, BLOCK_N, True, k0, v0, SLOTS_AHEAD,
+                                 FP8_TO_FP32)  # fmt: skip
     # No program reads the slot back (k_new, v_new come from registers), so any one may write it:
     # the last split, after its loop, so that under the interpreter (programs run in grid order)
     # every read of the launch precedes the write and the tests prove that none depends on it.
@@ -374,6 +382,7 @@ def fused_decode_attention(
         # Slots a tile ahead: loop at 32 rows 1.701 against 1.722 ms on an H100, at 8 rows (early loads,
         # a tile or two after the wait) 1.200 against 1.157.
         SLOTS_AHEAD=not early,
+        FP8_TO_FP32=r <= DECODE_ATTN_FP8_TO_FP32_ROWS,
     )  # fmt: skip
     return out
 

@@ -86,16 +86,19 @@ def load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_k
 
 @triton.jit
 def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new, BLOCK_N: tl.constexpr,
-                SUBSTITUTE: tl.constexpr):  # fmt: skip
+                SUBSTITUTE: tl.constexpr, FP8_TO_FP32: tl.constexpr = False):  # fmt: skip
     """One online-softmax update of (m_i, l_i, acc) by the tile of positions [n0, n0 + BLOCK_N) below end.
-    A tile wholly at or beyond end changes nothing (its scores are -inf: alpha 1, p 0)."""
+    A tile wholly at or beyond end changes nothing (its scores are -inf: alpha 1, p 0).
+    FP8_TO_FP32: an FP8 tile widens straight to fp32, not through fp16 (the same values either way)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < end
     if k.dtype == tl.float8e4nv:  # an FP8 cache: widened before any select (bf16 tiles stay as they are)
-        # To fp16, exactly (e4m3 lies within its range and mantissa): one packed conversion a pair of values.
-        k, v = k.to(tl.float16), v.to(tl.float16)
+        # Exact either way (e4m3 lies within fp16's range and mantissa); to fp16 is one packed conversion a
+        # pair of values.
+        WIDE: tl.constexpr = tl.float32 if FP8_TO_FP32 else tl.float16
+        k, v = k.to(WIDE), v.to(WIDE)
         if SUBSTITUTE:
-            k_new, v_new = k_new.to(tl.float16), v_new.to(tl.float16)
+            k_new, v_new = k_new.to(WIDE), v_new.to(WIDE)
     if SUBSTITUTE:  # noqa: SIM102 (without it, new_pos is None: the inner test must not be built)
         # A uniform branch: only the one tile that holds new_pos pays for the selects.
         if (new_pos >= n0) & (new_pos < n0 + BLOCK_N):
@@ -117,7 +120,8 @@ def attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_n
 def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, stride_ks, stride_kh,
                  stride_vs, stride_vh, new_pos, k_new, v_new, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_P2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SUBSTITUTE: tl.constexpr, k0=None, v0=None, SLOTS_AHEAD: tl.constexpr = True):  # fmt: skip
+                 SUBSTITUTE: tl.constexpr, k0=None, v0=None, SLOTS_AHEAD: tl.constexpr = True,
+                 FP8_TO_FP32: tl.constexpr = False):  # fmt: skip
     """Online softmax of q [GROUP_P2, D_P2] (fp32) over positions [start, end); returns (m, l, acc).
 
     With SUBSTITUTE, the key and value at position new_pos are k_new, v_new [1, D_P2] (cache
@@ -125,6 +129,7 @@ def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, s
     k0, v0: the first tile (positions [start, start + BLOCK_N)) already loaded by load_kv_tile, e.g. before
     a PDL wait; the same updates in the same order as loading it here.
     SLOTS_AHEAD: each tile's cache slots are read in the iteration before (the same arithmetic).
+    FP8_TO_FP32: as attend_tile's.
     """
     # Finite stand-in for -inf: an empty slice keeps it, and the merge weighs it exp2(-1e30 - m) = 0.
     m_i = tl.full([GROUP_P2], -1.0e30, tl.float32)
@@ -133,7 +138,7 @@ def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, s
     first = start
     if k0 is not None:
         m_i, l_i, acc = attend_tile(q, k0, v0, start, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
-                                    BLOCK_N, SUBSTITUTE)  # fmt: skip
+                                    BLOCK_N, SUBSTITUTE, FP8_TO_FP32)  # fmt: skip
         first = start + BLOCK_N
     # An empty slice (start >= kv_len) runs no iteration and leaves m = -1e30, l = 0.
     if SLOTS_AHEAD:
@@ -144,13 +149,13 @@ def attend_slice(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, scale_log2, s
                                  stride_vh, HEAD_DIM, D_P2, BLOCK_N, "")  # fmt: skip
             slot = tile_slots(bt_row_ptr, n0 + BLOCK_N, end, PAGE, BLOCK_N, "")
             m_i, l_i, acc = attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
-                                        BLOCK_N, SUBSTITUTE)  # fmt: skip
+                                        BLOCK_N, SUBSTITUTE, FP8_TO_FP32)  # fmt: skip
     else:
         for n0 in range(first, end, BLOCK_N):
             k, v = load_kv_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, n0, end, stride_ks, stride_kh, stride_vs,
                                 stride_vh, HEAD_DIM, D_P2, PAGE, BLOCK_N, "")  # fmt: skip
             m_i, l_i, acc = attend_tile(q, k, v, n0, end, m_i, l_i, acc, scale_log2, new_pos, k_new, v_new,
-                                        BLOCK_N, SUBSTITUTE)  # fmt: skip
+                                        BLOCK_N, SUBSTITUTE, FP8_TO_FP32)  # fmt: skip
     return m_i, l_i, acc
 
 

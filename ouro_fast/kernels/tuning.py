@@ -106,6 +106,10 @@ DECODE_ATTN_MAXNREG_ROWS = 2
 # heads fit this many times the SMs: loop 0.912 / 1.070 ms at 1 / 8 rows against 0.975 / 1.134 without the
 # early loads, and 1.272 against 1.306 launched plainly at 16 rows of 16 KV heads.
 DECODE_ATTN_PDL_ROW_HEADS_PER_SM = 2
+# An FP8 cache's tiles widen straight to fp32 up to this many rows, through fp16 over it (attention_bench,
+# H100, us a layer at contexts 160 / 1,152): 8 rows 9.0 / 35.4 to fp32 against 10.8 / 40.2 through fp16;
+# 32 rows 19.8 / 130.5 against 15.9 / 91.7. Row counts between were not measured.
+DECODE_ATTN_FP8_TO_FP32_ROWS = 8
 
 # ---- split-KV decode attention (split_kv_attention; its splits also shape the one-launch decode) ----
 
