@@ -141,10 +141,11 @@ async def take_over_stop_signals(app: Sanic) -> None:
 
 
 def _on_stop_signal(app: Sanic) -> None:
-    client = getattr(app.ctx, "client", None)
-    if client is not None and client.stop_requested:
+    client = app.ctx.client
+    if client.stop_requested:
         client.hurry()  # a second signal: abort what is still in flight now
         return
+    client.stop_requested = True
     asyncio.ensure_future(_stop_then_exit(app))
 
 
