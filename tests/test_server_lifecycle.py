@@ -157,9 +157,10 @@ def test_sigterm_drains_before_admission_stops():
 
 
 def test_a_second_signal_aborts_in_flight_requests_at_once():
-    """With a long grace period, a second SIGTERM ends it: the stream in flight is aborted with a clean
-    end of stream and the process exits 0 well before the grace would have run out."""
-    srv = ServerProcess("cli", {"OURO_FAST_SHUTDOWN_GRACE": "600", "OURO_FAST_NUM_KV_BLOCKS": "1024"})
+    """With a long drain delay and grace period, a second SIGTERM ends both: the stream in flight is aborted
+    with a clean end of stream and the process exits 0 well before either would have run out."""
+    long_stop = {"OURO_FAST_DRAIN_DELAY": "600", "OURO_FAST_SHUTDOWN_GRACE": "600"}
+    srv = ServerProcess("cli", {**long_stop, "OURO_FAST_NUM_KV_BLOCKS": "1024"})
     try:
         srv.wait_ready()
         started, result = threading.Event(), {}
@@ -174,6 +175,8 @@ def test_a_second_signal_aborts_in_flight_requests_at_once():
         assert started.wait(60)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
+        health = httpx.get(srv.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json() == {"status": "draining"}, health.text
         assert srv.proc.poll() is None and stream.is_alive(), "the stream ended before the second signal"
         signalled = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
